@@ -1,0 +1,42 @@
+"""``RolloutMonitor``: logs what the rollout side did during each step, and re-checks the staleness bound.
+
+Per step: samples failed / truncated / dropped (new this step and totals), generated tokens per second, the
+seconds the trainer waited for data and the share of wall time the engine had no request in flight.
+"""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+
+from ..trajectory import ConsistencyError
+
+
+class RolloutMonitor(L.Callback):
+    COUNTERS = ("status_failed", "status_truncated", "dropped_stale_groups", "dropped_stale_samples",
+                "dropped_empty_groups", "samples")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._last = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        now = time.perf_counter()
+        wall, self._last = now - self._last, now
+        b = outputs["batch"]
+        s = b.stats
+        lag = (trainer.global_step - 1) - b.versions[b.loss_mask]  # versions seen by the step that just ran
+        if lag.numel() and int(lag.max()) > pl_module.source.max_lag:
+            raise ConsistencyError(f"trained on a token {int(lag.max())} versions old; max_lag is "
+                                   f"{pl_module.source.max_lag}")
+        metrics = {f"samples/{k}": s.get(f"new/{k}", 0.0) for k in self.COUNTERS}
+        metrics.update({f"samples/{k}_total": s.get(f"total/{k}", 0.0) for k in self.COUNTERS})
+        metrics.update({
+            "perf/step_time_s": wall,
+            "perf/trainer_idle_s": outputs["trainer_idle_s"],
+            "perf/trainer_idle_frac": outputs["trainer_idle_s"] / wall,
+            "perf/engine_idle_frac": min(1.0, s["engine_idle_s"] / wall),
+            "perf/gen_tokens_per_s": s["generated_tokens"] / wall,
+            "rollout/buffered_groups": s["buffered_groups"],
+        })
+        pl_module.log_dict(metrics, on_step=True, batch_size=1)

@@ -1,0 +1,24 @@
+"""``WeightSync``: push the policy's weights to the rollout engine, tagged with the policy version."""
+
+from __future__ import annotations
+
+import lightning as L
+
+
+class WeightSync(L.Callback):
+    """At train start (the engine may hold stale weights, e.g. after a resume) and after every ``every_n_steps``
+    optimizer steps. A larger ``every_n_steps`` trades staleness for fewer transfers; the staleness bound still holds
+    because the rollout source admits work by the engine's version."""
+
+    def __init__(self, every_n_steps: int = 1):
+        if every_n_steps < 1:
+            raise ValueError("every_n_steps must be >= 1")
+        self.every_n_steps = every_n_steps
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        pl_module.push_weights()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step % self.every_n_steps == 0:
+            seconds = pl_module.push_weights()
+            pl_module.log("perf/weight_sync_s", seconds, on_step=True, batch_size=1)

@@ -1,0 +1,66 @@
+"""Token-exact chat rendering: the one place that turns chat messages into prompt and environment tokens.
+
+The policy's own tokens are never re-tokenized. A multi-turn chat is a growing token list: the first prompt is the
+rendered conversation; after each generated turn, only the *template delta* is appended: the closing text the
+template puts after an assistant message that the policy did not generate itself (e.g. the ``\\n`` after
+``<|im_end|>``), then the new messages (tool results, user turns) and the next generation prompt. When the template
+renders the old conversation differently once new messages arrive (history rewritten or a template that edits past
+turns), ``delta_ids`` returns ``None`` and the caller starts a new segment instead of re-tokenizing.
+
+Uses ``transformers``' ``apply_chat_template`` for rendering; the delta arithmetic is ours (no library offers it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Message = dict[str, Any]
+_PROBE = "\x00molt-probe\x00"
+
+
+class ChatTemplate:
+    """Wraps a tokenizer's chat template for incremental, token-exact rendering."""
+
+    def __init__(self, tokenizer):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "the tokenizer has no chat_template: `client.chat` needs one. Set `tokenizer.chat_template` "
+                "(a Jinja string) or use `client.generate` with your own token ids."
+            )
+        self.tokenizer = tokenizer
+        self.eos_id: int = tokenizer.eos_token_id
+        probe = self.render([{"role": "user", "content": "u"}, {"role": "assistant", "content": _PROBE}])
+        # What the template writes after an assistant message's content, e.g. "<|im_end|>\n".
+        self.turn_suffix = probe.split(_PROBE, 1)[1]
+
+    def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def prompt_ids(self, messages: list[Message]) -> list[int]:
+        """The first prompt of a segment: the whole conversation plus the generation prompt."""
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    def close_turn_ids(self, generated: list[int]) -> list[int]:
+        """Template text after a generated assistant turn that the policy did not produce itself."""
+        eos_text = self.tokenizer.decode([self.eos_id])
+        if generated and generated[-1] == self.eos_id and self.turn_suffix.startswith(eos_text):
+            return self.encode(self.turn_suffix[len(eos_text):])
+        return self.encode(self.turn_suffix)  # truncated turn: the template closes it
+
+    def delta_ids(self, previous: list[Message], new: list[Message]) -> list[int] | None:
+        """Tokens for ``new`` messages plus the generation prompt, or ``None`` if the prefix does not render stably."""
+        before = self.render(previous)
+        after = self.render(previous + new, add_generation_prompt=True)
+        if not after.startswith(before):
+            return None
+        return self.encode(after[len(before):])
+
+    def decode_reply(self, generated: list[int]) -> str:
+        """The assistant message text of a generated turn (without the end-of-turn token)."""
+        ids = generated[:-1] if generated and generated[-1] == self.eos_id else generated
+        return self.tokenizer.decode(ids, skip_special_tokens=False)

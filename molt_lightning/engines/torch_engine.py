@@ -1,0 +1,135 @@
+"""A pure PyTorch/transformers rollout engine: KV-cached batched sampling with exact logprobs.
+
+For tests, machines without vLLM, and as the reference the vLLM engine is checked against. Requests that arrive
+while a batch runs wait for the next batch (static batching with left padding; vLLM's continuous batching is what
+makes it faster). Weight updates land between decode steps, so a request in flight continues on the new weights with
+its existing KV cache (as vLLM's ``pause(mode="keep")`` does), and each token is tagged with the version that sampled it.
+
+The decode loop is written by hand because ``generate`` offers no point between steps to swap weights and tag
+versions; the model forward, KV cache and position handling are transformers'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Mapping
+
+import torch
+
+from .base import Generation, RolloutEngine, Sampling
+
+
+class TorchEngine(RolloutEngine):
+    def __init__(self, device: str = "cpu", dtype: str = "float32", max_batch: int = 256, seed: int = 0):
+        super().__init__()
+        self.device, self.dtype, self.max_batch, self.seed = device, getattr(torch, dtype), max_batch, seed
+        self.model = None
+        self._weights = threading.Lock()
+        self._pending: asyncio.Queue | None = None
+        self._scheduler: asyncio.Task | None = None
+
+    async def start(self, model_path: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
+        self.eos_ids = _eos_ids(self.model.generation_config, self.model.config)
+        self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
+        self.gen = torch.Generator(device=self.device).manual_seed(self.seed)
+        self._pending = asyncio.Queue()
+        self._scheduler = asyncio.create_task(self._schedule())
+
+    async def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+            self._scheduler = None
+
+    async def _generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
+        done = asyncio.get_running_loop().create_future()
+        await self._pending.put((prompt_ids, sampling, done))
+        return await done
+
+    async def _load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        await asyncio.to_thread(self._swap, state, version)
+
+    def _swap(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        with self._weights:  # waits for the decode step in progress
+            missing = set(dict(self.model.named_parameters())) - set(state)
+            if missing:
+                raise KeyError(f"update_weights is missing parameters: {sorted(missing)[:5]}")
+            self.model.load_state_dict(state, strict=False)
+            self.version = version
+
+    async def _schedule(self) -> None:
+        while True:
+            batch = [await self._pending.get()]
+            await asyncio.sleep(0.002)  # let concurrent agents enqueue their requests
+            while not self._pending.empty() and len(batch) < self.max_batch:
+                batch.append(self._pending.get_nowait())
+            try:
+                outs = await asyncio.to_thread(self._run, [(p, s) for p, s, _ in batch])
+                for (_, _, fut), out in zip(batch, outs):
+                    if not fut.done():
+                        fut.set_result(out)
+            except Exception as e:  # surface the error in every waiting request, keep serving
+                for _, _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(e)
+
+    @torch.no_grad()
+    def _run(self, requests: list[tuple[list[int], Sampling]]) -> list[Generation]:
+        B, L = len(requests), max(len(p) for p, _ in requests)
+        dev = self.device
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long, device=dev)  # (B, L) left-padded
+        mask = torch.zeros(B, L, dtype=torch.long, device=dev)  # (B, L)
+        for i, (p, _) in enumerate(requests):
+            ids[i, L - len(p):] = torch.tensor(p, device=dev)
+            mask[i, L - len(p):] = 1
+        temps = torch.tensor([s.temperature for _, s in requests], device=dev)  # (B,)
+        max_new = [s.max_tokens for _, s in requests]
+        stops = [set(self.eos_ids) | set(s.stop_token_ids) for _, s in requests]
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
+        out_ids = [[] for _ in range(B)]
+        out_lps = [[] for _ in range(B)]
+        out_vers = [[] for _ in range(B)]
+        reasons = ["length"] * B
+        alive = [m > 0 for m in max_new]
+        cache, step_ids = None, ids
+        while any(alive):
+            with self._weights:
+                out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
+                                 past_key_values=cache, use_cache=True)
+                version = self.version
+            cache = out.past_key_values
+            logits = out.logits[:, -1].float()  # (B, V)
+            tok, lp = _sample(logits, temps, self.gen)  # (B,), (B,)
+            for i in range(B):
+                if not alive[i]:
+                    continue
+                t = int(tok[i])
+                out_ids[i].append(t)
+                out_lps[i].append(float(lp[i]))
+                out_vers[i].append(version)
+                if t in stops[i]:
+                    alive[i], reasons[i] = False, "stop"
+                elif len(out_ids[i]) >= max_new[i]:
+                    alive[i] = False
+            step_ids = tok[:, None]  # (B, 1)
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=dev)], dim=1)  # (B, L + t)
+            pos = pos[:, -1:] + 1  # (B, 1)
+        return [Generation(out_ids[i], out_lps[i], out_vers[i], reasons[i]) for i in range(B)]
+
+
+def _sample(logits: torch.Tensor, temps: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample per row at its temperature (0 = greedy); return tokens and their logprobs under that distribution."""
+    greedy = temps <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]  # (B, V)
+    logp = torch.log_softmax(scaled, dim=-1)  # (B, V)
+    sampled = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)  # (B,)
+    tok = torch.where(greedy, logits.argmax(-1), sampled)  # (B,)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def _eos_ids(gen_config, config) -> list[int]:
+    eos = gen_config.eos_token_id if gen_config.eos_token_id is not None else config.eos_token_id
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))

@@ -1,0 +1,113 @@
+"""vLLM in-process rollout engine (``AsyncLLM``): continuous batching, exact token ids, processed logprobs.
+
+Prompts go in as token ids (never text). ``logprobs_mode="processed_logprobs"`` makes each returned logprob the
+sampled token's logprob after temperature, i.e. under the distribution it was actually drawn from; the trainer applies
+the same temperature when it recomputes. Per-token policy versions come from vLLM's own weight-version spans
+(``update_weight_version``), so a request that spans an in-flight update is tagged exactly. A weight update pauses the
+scheduler with ``mode="keep"`` (requests in flight freeze, then continue on the new weights), loads the weights through
+``MoltWorkerExtension`` and resets the prefix cache, whose entries would otherwise keep the old weights' KV.
+
+vLLM is imported only in ``start``: importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Mapping
+
+import torch
+
+from .base import Generation, RolloutEngine, Sampling
+
+
+class VLLMEngine(RolloutEngine):
+    def __init__(
+        self,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        enforce_eager: bool = True,
+        seed: int = 0,
+        kv_cache_gib: int = 1,
+        cpu_threads: str | None = None,
+        weight_dir: str = "/dev/shm",
+        engine_kwargs: dict | None = None,
+    ):
+        """``cpu_threads`` binds the CPU engine's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"`` or
+        ``"0-1"``); ``engine_kwargs`` go to ``AsyncEngineArgs`` as they are (e.g. ``gpu_memory_utilization``)."""
+        super().__init__()
+        self.dtype, self.max_model_len, self.enforce_eager, self.seed = dtype, max_model_len, enforce_eager, seed
+        self.kv_cache_gib, self.cpu_threads = kv_cache_gib, cpu_threads
+        self.weight_dir = weight_dir if os.path.isdir(weight_dir) else None
+        self.engine_kwargs = engine_kwargs or {}
+        self.llm = None
+
+    async def start(self, model_path: str) -> None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+        if self.cpu_threads is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_threads
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=model_path, dtype=self.dtype, max_model_len=self.max_model_len, enforce_eager=self.enforce_eager,
+            seed=self.seed, logprobs_mode="processed_logprobs",
+            worker_extension_cls="molt_lightning.engines.vllm_worker.MoltWorkerExtension", **self.engine_kwargs,
+        )
+        self.llm = AsyncLLM.from_engine_args(args)
+        await self.llm.update_weight_version(str(self.version))
+
+    async def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+    async def _generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            max_tokens=sampling.max_tokens, temperature=sampling.temperature, logprobs=0, detokenize=False,
+            stop_token_ids=list(sampling.stop_token_ids), skip_special_tokens=False,
+        )
+        final = None
+        async for final in self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id=uuid.uuid4().hex):
+            pass
+        out = final.outputs[0]
+        ids = list(out.token_ids)
+        logprobs = [float(pos[t].logprob) for pos, t in zip(out.logprobs, ids)]
+        versions = [-1] * len(ids)
+        for span in out.weight_versions or []:
+            versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
+        if -1 in versions:
+            raise RuntimeError("vLLM returned tokens without a weight version: was update_weight_version called?")
+        reason = {"stop": "stop", "length": "length"}.get(out.finish_reason, "abort")
+        return Generation(ids, logprobs, versions, reason)
+
+    async def _load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        path = await asyncio.to_thread(self._write, state)
+        try:
+            await self.llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                await self.llm.collective_rpc("molt_load_weights", args=(path,))
+                await self.llm.reset_prefix_cache()
+                await self.llm.update_weight_version(str(version))
+            finally:
+                await self.llm.resume_generation()
+        finally:
+            os.unlink(path)
+
+    def _write(self, state: Mapping[str, torch.Tensor]) -> str:
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        fd, path = tempfile.mkstemp(suffix=".safetensors", prefix="molt-weights-", dir=self.weight_dir)
+        os.close(fd)
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, path)
+        return path
+
+    async def weight_checksum(self, name: str) -> float:
+        """Sum of one parameter inside the engine (for tests)."""
+        return (await self.llm.collective_rpc("molt_weight_checksum", args=(name,)))[0]

@@ -1,0 +1,272 @@
+"""The rollout source: agents run concurrently on a background event loop; the trainer takes one batch per step.
+
+Producer (background thread, asyncio): draws prompts from the task stream and runs a *group* of ``group_size``
+agent programs per prompt against the engine. Consumer (trainer thread): ``next_batch`` blocks until
+``prompts_per_step`` groups are complete and returns them.
+
+Staleness, bounded two ways (after AReaL's admission control, with a hard check behind it):
+- *Admission*: a new group starts only while ``outstanding < (engine_version - consumed_batches + max_lag + 1) * P``
+  (outstanding = running or buffered groups, P = prompts per step). If groups were consumed in the order they
+  started, every group's oldest token would be at most ``max_lag`` versions old when trained on. With ``max_lag=0``
+  this is exactly synchronous: the groups of step s start only once the engine holds version s.
+- *Check at consumption*: groups complete out of order and the consumer takes the oldest complete ones first, so a
+  straggler can be overtaken. A group whose oldest token is more than ``max_lag`` versions behind the trainer is
+  dropped (counted, logged) and its prompt is queued again, so no prompt is lost. We chose drop-and-retry over
+  waiting for stragglers: waiting blocks the trainer on the slowest agent, which is what asynchrony is for.
+
+Failed samples (agent raised, timed out, returned a non-finite reward) are counted, logged and never trained on; the
+rest of their group still is. A group with no usable sample is dropped, counted, and its prompt is not retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .chat import ChatTemplate
+from .client import AgentClient, AgentResult
+from .engines.base import RolloutEngine
+from .trajectory import Status, Trajectory
+
+log = logging.getLogger("molt_lightning.rollout")
+Group = list[Trajectory]
+
+
+class RolloutSource:
+    def __init__(
+        self,
+        agent: Callable[..., Any],
+        tasks: Callable[..., Iterator[dict]],
+        group_size: int = 8,
+        prompts_per_step: int = 8,
+        max_lag: int = 1,
+        temperature: float = 1.0,
+        max_context: int = 1024,
+        timeout_s: float = 300.0,
+        task_seed: int = 0,
+    ):
+        if group_size < 1 or prompts_per_step < 1 or max_lag < 0:
+            raise ValueError("group_size and prompts_per_step must be >= 1 and max_lag >= 0")
+        if temperature <= 0:
+            raise ValueError("temperature must be > 0 for RL (greedy sampling has no logprobs to correct against)")
+        self.agent, self.tasks, self.G, self.P = agent, tasks, group_size, prompts_per_step
+        self.max_lag, self.temperature, self.max_context = max_lag, temperature, max_context
+        self.timeout_s, self.task_seed = timeout_s, task_seed
+        self.engine: RolloutEngine | None = None
+        self.counts: Counter = Counter()  # cumulative counters, reported by the monitor
+        self._reported: Counter = Counter()
+        self.consumed_batches = 0
+        self._done_prompts: set[int] = set()  # prompts trained on or given up
+        self._next_prompt = 0  # every prompt before this one is done
+        self._retry: list[tuple[int, dict]] = []
+        self._ready: list[tuple[int, Group]] = []  # complete groups, keyed by the order they started
+        self._running = 0
+        self._cond = threading.Condition()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+        self._stopping = False
+
+    # ----- lifecycle (trainer thread) -----
+    def start(self, engine: RolloutEngine, model_path: str, tokenizer) -> None:
+        self.engine = engine
+        self.template = ChatTemplate(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="molt-rollout", daemon=True)
+        self._thread.start()
+        self.call(engine.start(model_path))
+        self._wake = self.call(_make_event())
+        self._producer = None
+
+    def begin(self) -> None:
+        """Start producing rollouts (after the engine holds the trainer's weights)."""
+        if self._producer is None:
+            self._producer = asyncio.run_coroutine_threadsafe(self._produce(), self._loop)
+
+    def call(self, coro, timeout: float | None = None):
+        """Run a coroutine on the rollout loop from the trainer thread and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def stop(self) -> None:
+        if self._loop is None:
+            return
+        self._stopping = True
+        if self._producer is not None:
+            self._producer.cancel()
+            self._producer = None
+
+        async def _shutdown():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.engine.shutdown()
+
+        try:
+            self.call(_shutdown(), timeout=60)
+        finally:
+            loop, self._loop = self._loop, None
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(timeout=10)
+            self._stopping = False
+
+    def update_weights(self, state, version: int) -> None:
+        self.call(self.engine.update_weights(state, version))
+        self._notify()
+
+    # ----- consumer (trainer thread) -----
+    def next_batch(self, trainer_version: int) -> list[Trajectory]:
+        """Block until ``prompts_per_step`` usable groups no older than ``max_lag`` are ready; return their samples."""
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise RuntimeError("the rollout producer died") from self._error
+                for item in [x for x in self._ready if self._too_old(x[1], trainer_version)]:
+                    self._ready.remove(item)
+                    self._drop_stale(item[1], trainer_version)
+                if len(self._ready) >= self.P:
+                    break
+                self._cond.wait(timeout=1.0)
+            self._ready.sort(key=lambda x: x[0])  # oldest first
+            taken, self._ready = self._ready[: self.P], self._ready[self.P:]
+            for _, group in taken:
+                self._mark_done(group[0].sample_id)
+            self.consumed_batches += 1
+        self._notify()
+        return [t for _, group in taken for t in group]
+
+    def take_stats(self) -> dict[str, float]:
+        """Counters since the previous call (``new/...``), their running totals, and the engine's idle time."""
+        with self._cond:
+            delta = self.counts - self._reported
+            self._reported = Counter(self.counts)
+            stats = {f"new/{k}": float(v) for k, v in delta.items()}
+            stats.update({f"total/{k}": float(v) for k, v in self.counts.items()})
+            stats.update(buffered_groups=float(len(self._ready)), running_groups=float(self._running))
+        stats.update(self.engine.take_stats())
+        return stats
+
+    def _too_old(self, group: Group, trainer_version: int) -> bool:
+        return trainer_version - min(t.oldest_version for t in group) > self.max_lag
+
+    def _drop_stale(self, group: Group, trainer_version: int) -> None:
+        oldest = min(t.oldest_version for t in group)
+        self.counts["dropped_stale_groups"] += 1
+        self.counts["dropped_stale_samples"] += len(group)
+        log.warning("dropped a group of sample %d: oldest token version %d, trainer %d, max_lag %d "
+                    "(prompt queued again)", group[0].sample_id, oldest, trainer_version, self.max_lag)
+        self._retry.append((group[0].sample_id, group[0].info["sample"]))
+
+    # ----- checkpoint state -----
+    def state_dict(self) -> dict:
+        with self._cond:
+            beyond = sorted(i for i in self._done_prompts if i >= self._next_prompt)
+            return {"next_prompt": self._next_prompt, "done_beyond": beyond, "counts": dict(self.counts),
+                    "consumed_batches": self.consumed_batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._next_prompt = state["next_prompt"]
+        self._done_prompts = set(state["done_beyond"])
+        self.counts = Counter(state["counts"])
+        self._reported = Counter(self.counts)
+        self.consumed_batches = state["consumed_batches"]
+
+    # ----- producer (rollout loop) -----
+    def _mark_done(self, sample_id: int) -> None:
+        self._done_prompts.add(sample_id)
+        while self._next_prompt in self._done_prompts:
+            self._done_prompts.discard(self._next_prompt)
+            self._next_prompt += 1
+
+    def _admit(self) -> bool:
+        budget = (self.engine.version - self.consumed_batches + self.max_lag + 1) * self.P
+        return self._running + len(self._ready) < budget
+
+    def _prompts(self) -> Iterator[tuple[int, dict]]:
+        """(index, sample) pairs not yet done; a finite task stream is repeated with the next seed."""
+        skip, i = set(self._done_prompts), 0
+        for epoch in itertools.count():
+            before = i
+            for sample in self.tasks(self.task_seed + epoch):
+                if i >= self._next_prompt and i not in skip:
+                    yield i, sample
+                i += 1
+            if i == before:
+                raise ValueError(f"the task stream {self.tasks!r} yielded no samples")
+
+    async def _produce(self) -> None:
+        try:
+            prompts, order = self._prompts(), 0
+            while True:
+                while not self._admit():
+                    self._wake.clear()
+                    if not self._admit():
+                        await self._wake.wait()
+                sample_id, sample = self._retry.pop(0) if self._retry else next(prompts)
+                self._running += 1
+                log.debug("admit order=%d sample=%d engine_v=%d consumed=%d running=%d ready=%d", order, sample_id, self.engine.version, self.consumed_batches, self._running - 1, len(self._ready))
+                asyncio.get_running_loop().create_task(self._run_group(order, sample_id, sample))
+                order += 1
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # surfaces in next_batch instead of hanging the trainer
+            log.exception("rollout producer failed")
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
+    def _notify(self) -> None:
+        """Wake the producer (from any thread): admission may have opened."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def _run_group(self, order: int, sample_id: int, sample: dict) -> None:
+        group = await asyncio.gather(*[self._run_agent(sample_id, order, i, sample) for i in range(self.G)])
+        usable = [t for t in group if t.status != Status.FAILED and t.num_policy_tokens > 0]
+        with self._cond:
+            self._running -= 1
+            for t in group:
+                self.counts["samples"] += 1
+                self.counts[f"status_{t.status.value}"] += 1
+            if usable:
+                self._ready.append((order, usable))
+            else:
+                self.counts["dropped_empty_groups"] += 1
+                self._mark_done(sample_id)
+            self._cond.notify_all()
+        self._wake.set()
+
+    async def _run_agent(self, sample_id: int, order: int, index: int, sample: dict) -> Trajectory:
+        traj = Trajectory(sample_id=sample_id, group_id=order, info={"sample": sample, "index": index})
+        client = AgentClient(self.engine, traj, self.template, self.temperature, self.max_context)
+        try:
+            result = await asyncio.wait_for(self.agent(client, sample), self.timeout_s)
+        except asyncio.TimeoutError:
+            return self._failed(traj, f"timed out after {self.timeout_s}s")
+        except Exception as e:
+            return self._failed(traj, f"agent raised {type(e).__name__}: {e}")
+        reward = result.reward if isinstance(result, AgentResult) else result
+        try:
+            traj.reward = float(reward)
+        except (TypeError, ValueError):
+            return self._failed(traj, f"agent returned {reward!r}, not a float or AgentResult")
+        if not math.isfinite(traj.reward):
+            return self._failed(traj, f"non-finite reward {traj.reward}")
+        if isinstance(result, AgentResult):
+            traj.info.update(result.info)
+        return traj
+
+    def _failed(self, traj: Trajectory, reason: str) -> Trajectory:
+        if not self._stopping:
+            log.warning("sample %d failed and will not be trained on: %s", traj.sample_id, reason)
+        return traj.fail(reason)
+
+
+async def _make_event() -> asyncio.Event:
+    return asyncio.Event()  # bound to the rollout loop

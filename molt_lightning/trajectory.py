@@ -1,0 +1,160 @@
+"""Trajectory records and the batch they become: where the training-data consistency invariant is enforced.
+
+A trajectory is what one agent run produced: one or more *segments* (a segment is one token sequence the trainer sees;
+an agent that rewrites its history starts a new one), each a list of *spans*: ``prompt`` and ``env`` spans are
+context (never trained on), ``policy`` spans are tokens the engine sampled, each with the engine's logprob and the
+integer policy version that sampled it. Policy spans are only made from engine output (``Span.policy``), so a trained
+token always has an engine record; ``collate`` checks it again and raises on a violation (a bug, not a warning).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+
+class Kind(str, Enum):
+    PROMPT = "prompt"
+    POLICY = "policy"
+    ENV = "env"
+
+
+class Status(str, Enum):
+    OK = "ok"
+    TRUNCATED = "truncated"  # a generation hit max_tokens; trained on like an ok one, and counted
+    FAILED = "failed"  # the agent raised, timed out or returned a bad reward; never trained on
+
+
+class ConsistencyError(RuntimeError):
+    """A token would be trained on without an engine record, or with an impossible version."""
+
+
+@dataclass
+class Span:
+    kind: Kind
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # policy spans: the engine's logprob of each sampled token
+    versions: list[int] | None = None  # policy spans: the policy version that sampled each token
+
+    @classmethod
+    def policy(cls, token_ids: list[int], logprobs: list[float], versions: list[int]) -> Span:
+        return cls(Kind.POLICY, list(token_ids), list(logprobs), list(versions))
+
+    @classmethod
+    def context(cls, kind: Kind, token_ids: list[int]) -> Span:
+        if kind == Kind.POLICY:
+            raise ConsistencyError("a policy span needs engine logprobs and versions: use Span.policy")
+        return cls(kind, list(token_ids))
+
+
+@dataclass
+class Trajectory:
+    sample_id: int  # position of the prompt in the task stream
+    group_id: int
+    segments: list[list[Span]] = field(default_factory=lambda: [[]])
+    reward: float = math.nan
+    status: Status = Status.OK
+    reason: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def policy_spans(self):
+        return (s for seg in self.segments for s in seg if s.kind == Kind.POLICY)
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.policy_spans())
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The version the staleness bound applies to (a trajectory may span several weight updates)."""
+        return min((min(s.versions) for s in self.policy_spans() if s.versions), default=None)
+
+    def fail(self, reason: str) -> Trajectory:
+        self.status, self.reason = Status.FAILED, reason
+        return self
+
+
+@dataclass
+class Batch:
+    """One training batch: a row per segment, every per-token field aligned with ``input_ids``."""
+
+    input_ids: torch.Tensor  # (N, T) long, right-padded
+    attention_mask: torch.Tensor  # (N, T) bool
+    loss_mask: torch.Tensor  # (N, T) bool: policy tokens
+    engine_logprobs: torch.Tensor  # (N, T) float32, 0 off the loss mask
+    versions: torch.Tensor  # (N, T) long, -1 off the loss mask
+    rewards: torch.Tensor  # (N,) float32, the trajectory's reward on each of its segments
+    group_ids: torch.Tensor  # (N,) long
+    traj_ids: torch.Tensor  # (N,) long, index of the trajectory in ``trajectories``
+    trajectories: list[Trajectory]
+    stats: dict[str, float] = field(default_factory=dict)  # rollout-side counters since the previous batch
+
+    def to(self, device) -> Batch:
+        tensors = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        return Batch(**{**vars(self), **tensors})
+
+
+def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None = None) -> Batch:
+    """Build the padded batch, checking the invariant on every trained token."""
+    rows = []
+    for t_idx, traj in enumerate(trajectories):
+        if traj.status == Status.FAILED:
+            raise ConsistencyError(f"sample {traj.sample_id} failed ({traj.reason}) and must not reach a batch")
+        if not math.isfinite(traj.reward):
+            raise ConsistencyError(f"sample {traj.sample_id} has a non-finite reward {traj.reward}")
+        for seg in traj.segments:
+            ids, mask, lps, vers = [], [], [], []
+            for span in seg:
+                n = len(span.token_ids)
+                if span.kind == Kind.POLICY:
+                    _check_policy_span(span, traj.sample_id, max_version)
+                    lps += span.logprobs
+                    vers += span.versions
+                else:
+                    lps += [0.0] * n
+                    vers += [-1] * n
+                ids += span.token_ids
+                mask += [span.kind == Kind.POLICY] * n
+            if not any(mask):
+                continue  # a segment with nothing generated carries no signal
+            if mask[0]:
+                raise ConsistencyError(f"sample {traj.sample_id}: a segment starts with a policy token (no prompt)")
+            rows.append((ids, mask, lps, vers, traj.reward, traj.group_id, t_idx))
+    if not rows:
+        raise ConsistencyError("no trainable tokens in this batch")
+    n, width = len(rows), max(len(r[0]) for r in rows)
+    batch = Batch(
+        input_ids=torch.full((n, width), pad_id, dtype=torch.long),
+        attention_mask=torch.zeros(n, width, dtype=torch.bool),
+        loss_mask=torch.zeros(n, width, dtype=torch.bool),
+        engine_logprobs=torch.zeros(n, width, dtype=torch.float32),
+        versions=torch.full((n, width), -1, dtype=torch.long),
+        rewards=torch.tensor([r[4] for r in rows], dtype=torch.float32),
+        group_ids=torch.tensor([r[5] for r in rows], dtype=torch.long),
+        traj_ids=torch.tensor([r[6] for r in rows], dtype=torch.long),
+        trajectories=trajectories,
+    )
+    for i, (ids, mask, lps, vers, *_) in enumerate(rows):
+        L = len(ids)
+        batch.input_ids[i, :L] = torch.tensor(ids)
+        batch.attention_mask[i, :L] = True
+        batch.loss_mask[i, :L] = torch.tensor(mask)
+        batch.engine_logprobs[i, :L] = torch.tensor(lps, dtype=torch.float32)
+        batch.versions[i, :L] = torch.tensor(vers)
+    return batch
+
+
+def _check_policy_span(span: Span, sample_id: int, max_version: int | None) -> None:
+    n = len(span.token_ids)
+    if span.logprobs is None or span.versions is None or len(span.logprobs) != n or len(span.versions) != n:
+        raise ConsistencyError(f"sample {sample_id}: policy tokens without a full engine record (logprob, version)")
+    if not all(math.isfinite(x) and x <= 1e-4 for x in span.logprobs):
+        raise ConsistencyError(f"sample {sample_id}: engine logprobs must be finite and <= 0, got {span.logprobs}")
+    if min(span.versions) < 0 or (max_version is not None and max(span.versions) > max_version):
+        raise ConsistencyError(
+            f"sample {sample_id}: token versions {sorted(set(span.versions))} outside [0, trainer {max_version}]"
+        )
