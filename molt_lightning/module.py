@@ -46,7 +46,7 @@ class AsyncRLModule(L.LightningModule):
         max_context: int | None = None,
         agent_timeout_s: float = 300.0,
         task_seed: int = 0,
-        algo: Algorithm | None = None,
+        algo: Algorithm = Algorithm(),
         lr: float = 1e-4,
         weight_decay: float = 0.0,
         grad_clip: float = 1.0,
@@ -68,7 +68,7 @@ class AsyncRLModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters(ignore=["engine", "agent", "tasks"])
         self.automatic_optimization = False
-        self.algo = algo or Algorithm()
+        self.algo = algo
         self.advantage_fn = resolve(self.algo.advantage, ADVANTAGES)
         self.loss_fn = resolve(self.algo.loss, LOSSES)
         if engine is None:
@@ -103,8 +103,9 @@ class AsyncRLModule(L.LightningModule):
     def configure_callbacks(self):
         from .callbacks import RewardPlot, RolloutMonitor, WeightSync
 
-        have = {type(c) for c in self.trainer.callbacks}
-        return [_StopOnException()] + [cb() for cb in (WeightSync, RolloutMonitor, RewardPlot) if cb not in have]
+        missing = [cb for cb in (WeightSync, RolloutMonitor, RewardPlot)
+                   if not any(isinstance(c, cb) for c in self.trainer.callbacks)]
+        return [_StopOnException()] + [cb() for cb in missing]
 
     # ----- data -----
     def train_dataloader(self) -> DataLoader:

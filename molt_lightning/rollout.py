@@ -25,7 +25,6 @@ import itertools
 import logging
 import math
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -75,13 +74,13 @@ class RolloutSource:
 
     # ----- lifecycle (trainer thread) -----
     def start(self, engine: RolloutEngine, model_path: str, tokenizer) -> None:
+        """Launch (or join) the engine; agents will run on the engine's event loop."""
         self.engine = engine
         self.template = ChatTemplate(tokenizer) if getattr(tokenizer, "chat_template", None) else None
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="molt-rollout", daemon=True)
-        self._thread.start()
-        self.call(engine.start(model_path))
+        engine.launch(model_path)
+        self._loop = engine.loop
         self._wake = self.call(_make_event())
+        self._tasks: set[asyncio.Task] = set()
         self._producer = None
 
     def begin(self) -> None:
@@ -90,31 +89,29 @@ class RolloutSource:
             self._producer = asyncio.run_coroutine_threadsafe(self._produce(), self._loop)
 
     def call(self, coro, timeout: float | None = None):
-        """Run a coroutine on the rollout loop from the trainer thread and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return self.engine.call(coro, timeout)
 
     def stop(self) -> None:
+        """Cancel this source's producer and agents, then release the engine."""
         if self._loop is None:
             return
         self._stopping = True
-        if self._producer is not None:
-            self._producer.cancel()
-            self._producer = None
 
-        async def _shutdown():
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        async def _cancel():
+            tasks = [t for t in self._tasks if not t.done()]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self.engine.shutdown()
 
         try:
-            self.call(_shutdown(), timeout=60)
+            if self._producer is not None:
+                self._producer.cancel()
+                self._producer = None
+            self.call(_cancel(), timeout=60)
         finally:
-            loop, self._loop = self._loop, None
-            loop.call_soon_threadsafe(loop.stop)
-            self._thread.join(timeout=10)
+            self._loop = None
             self._stopping = False
+            self.engine.release()
 
     def update_weights(self, state, version: int) -> None:
         self.call(self.engine.update_weights(state, version))
@@ -210,8 +207,11 @@ class RolloutSource:
                         await self._wake.wait()
                 sample_id, sample = self._retry.pop(0) if self._retry else next(prompts)
                 self._running += 1
-                log.debug("admit order=%d sample=%d engine_v=%d consumed=%d running=%d ready=%d", order, sample_id, self.engine.version, self.consumed_batches, self._running - 1, len(self._ready))
-                asyncio.get_running_loop().create_task(self._run_group(order, sample_id, sample))
+                task = asyncio.get_running_loop().create_task(self._run_group(order, sample_id, sample))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                log.debug("admitted group %d (sample %d) at engine version %d, %d batches consumed",
+                          order, sample_id, self.engine.version, self.consumed_batches)
                 order += 1
         except asyncio.CancelledError:
             raise

@@ -1,13 +1,18 @@
 """The rollout-engine protocol every engine implements, and the bookkeeping they share.
 
 An engine turns prompt token ids into sampled token ids with, for each token, the logprob under the distribution it
-was sampled from (after temperature) and the integer policy version of the weights that sampled it. Its methods are
-coroutines run on the rollout source's event loop; ``update_weights`` may land while requests are in flight (those
-requests continue with the new weights, and their per-token versions show where).
+was sampled from (after temperature) and the integer policy version of the weights that sampled it.
+
+An engine lives on its own event-loop thread: its coroutines (``generate``, ``update_weights``) and the agents that
+call them run there; the trainer thread reaches it through ``call``. ``launch``/``release`` count users, so several
+trainers in one process (tests, benchmark seeds) can share one engine: it shuts down when the last one lets go.
+``update_weights`` may land while requests are in flight (those requests continue on the new weights, and their
+per-token versions show where). The trainer owns the version numbers: the engine takes whatever it is given.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -31,6 +36,7 @@ class Sampling:
     max_tokens: int
     temperature: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # keep sampling past end-of-sequence (benchmarks, tests)
 
 
 class RolloutEngine(ABC):
@@ -43,6 +49,38 @@ class RolloutEngine(ABC):
         self._idle_since: float | None = time.perf_counter()
         self._idle_s = 0.0
         self._tokens = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.model_path: str | None = None
+        self._users = 0
+
+    # ----- lifecycle, from the trainer thread -----
+    def launch(self, model_path: str) -> None:
+        """Start the loop thread and the engine on first use; later users share it (same model required)."""
+        if self._users == 0:
+            self.loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self.loop.run_forever, name="molt-engine", daemon=True)
+            self._thread.start()
+            self.call(self.start(model_path))
+            self.model_path = model_path
+        elif model_path != self.model_path:
+            raise ValueError(f"this engine serves {self.model_path}; it cannot also serve {model_path}")
+        self._users += 1
+
+    def release(self) -> None:
+        """Drop one user; the last one shuts the engine and its loop down."""
+        self._users -= 1
+        if self._users > 0 or self.loop is None:
+            return
+        try:
+            self.call(self.shutdown(), timeout=120)
+        finally:
+            loop, self.loop = self.loop, None
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(timeout=10)
+
+    def call(self, coro, timeout: float | None = None):
+        """Run a coroutine on the engine's loop from another thread and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     @abstractmethod
     async def start(self, model_path: str) -> None:
@@ -68,8 +106,6 @@ class RolloutEngine(ABC):
         return out
 
     async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        if version < self.version:
-            raise ValueError(f"weight version must not go back: engine has {self.version}, got {version}")
         await self._load_weights(state, version)
         self.version = version
 

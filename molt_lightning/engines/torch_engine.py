@@ -2,8 +2,9 @@
 
 For tests, machines without vLLM, and as the reference the vLLM engine is checked against. Requests that arrive
 while a batch runs wait for the next batch (static batching with left padding; vLLM's continuous batching is what
-makes it faster). Weight updates land between decode steps, so a request in flight continues on the new weights with
-its existing KV cache (as vLLM's ``pause(mode="keep")`` does), and each token is tagged with the version that sampled it.
+makes it faster). Weight updates land between decode steps; the batch in flight then recomputes its KV cache under
+the new weights (as ``VLLMEngine`` does by preempting), so every token tagged version v was sampled from policy v
+given its whole context.
 
 The decode loop is written by hand because ``generate`` offers no point between steps to swap weights and tag
 versions; the model forward, KV cache and position handling are transformers'.
@@ -87,20 +88,22 @@ class TorchEngine(RolloutEngine):
             mask[i, L - len(p):] = 1
         temps = torch.tensor([s.temperature for _, s in requests], device=dev)  # (B,)
         max_new = [s.max_tokens for _, s in requests]
-        stops = [set(self.eos_ids) | set(s.stop_token_ids) for _, s in requests]
+        stops = [set(() if s.ignore_eos else self.eos_ids) | set(s.stop_token_ids) for _, s in requests]
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
         out_ids = [[] for _ in range(B)]
         out_lps = [[] for _ in range(B)]
         out_vers = [[] for _ in range(B)]
         reasons = ["length"] * B
         alive = [m > 0 for m in max_new]
-        cache, step_ids = None, ids
+        cache, seen = None, None
         while any(alive):
             with self._weights:
-                out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
-                                 past_key_values=cache, use_cache=True)
                 version = self.version
-            cache = out.past_key_values
+                if version != seen:  # first step, or new weights: (re)compute the whole context's KV
+                    cache, step_ids, step_pos = None, ids, pos
+                out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
+                                 past_key_values=cache, use_cache=True)
+            seen, cache = version, out.past_key_values
             logits = out.logits[:, -1].float()  # (B, V)
             tok, lp = _sample(logits, temps, self.gen)  # (B,), (B,)
             for i in range(B):
@@ -114,9 +117,10 @@ class TorchEngine(RolloutEngine):
                     alive[i], reasons[i] = False, "stop"
                 elif len(out_ids[i]) >= max_new[i]:
                     alive[i] = False
-            step_ids = tok[:, None]  # (B, 1)
+            step_ids, step_pos = tok[:, None], pos[:, -1:] + 1  # (B, 1), (B, 1)
+            ids = torch.cat([ids, step_ids], dim=1)  # (B, L + t)
+            pos = torch.cat([pos, step_pos], dim=1)  # (B, L + t)
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=dev)], dim=1)  # (B, L + t)
-            pos = pos[:, -1:] + 1  # (B, 1)
         return [Generation(out_ids[i], out_lps[i], out_vers[i], reasons[i]) for i in range(B)]
 
 

