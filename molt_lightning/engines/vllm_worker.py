@@ -19,8 +19,12 @@ class MoltWorkerExtension:
 
     def molt_load_weights(self, path: str) -> int:
         """Load HF-named tensors from a safetensors file into the running model; returns how many were loaded."""
+        import logging
+
         from safetensors.torch import load_file
 
+        # "ParallelLMHead/RotaryEmbedding: Failed to load weights" is expected (tied head, no rotary weights): quiet it
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         tensors = load_file(path)
         self.reload_weights(weights_iterator=iter(tensors.items()))
         self._molt_repack_tied_head()
