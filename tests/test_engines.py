@@ -132,3 +132,36 @@ def test_vllm_engine_in_flight_update(vllm_engine, prompts, weights, policy_path
 def test_engine_refuses_a_second_model(torch_engine, tmp_path):
     with pytest.raises(ValueError, match="cannot also serve"):
         torch_engine.launch(str(tmp_path))
+
+
+def _pause_resume(engine, prompts):
+    long = Sampling(max_tokens=60, temperature=1.0, ignore_eos=True)
+
+    async def scenario():
+        tasks = [asyncio.ensure_future(engine.generate(p, long)) for p in prompts]
+        await asyncio.sleep(0.1)
+        await engine.pause()
+        await asyncio.sleep(0.05)
+        done_at_pause = sum(t.done() for t in tasks)
+        engine.take_stats()
+        await asyncio.sleep(0.5)
+        frozen = engine.take_stats()["generated_tokens"]  # no request finished while paused
+        stuck = sum(t.done() for t in tasks) - done_at_pause
+        await engine.resume()
+        outs = await asyncio.gather(*tasks)
+        return done_at_pause, frozen, stuck, outs
+
+    done_at_pause, frozen, stuck, outs = engine.call(scenario())
+    assert done_at_pause < len(prompts), "everything finished before the pause: the test checks nothing"
+    assert stuck == 0 and frozen == 0
+    assert all(len(o.token_ids) == 60 for o in outs)  # every paused request finished after resume
+
+
+def test_torch_engine_pause_keeps_requests(torch_engine, prompts):
+    _pause_resume(torch_engine, prompts)
+
+
+@pytest.mark.slow
+def test_vllm_engine_pause_keeps_requests(vllm_engine, prompts, weights):
+    vllm_engine.call(vllm_engine.update_weights(weights, 0))
+    _pause_resume(vllm_engine, prompts)

@@ -96,6 +96,13 @@ class RolloutEngine(ABC):
     @abstractmethod
     async def shutdown(self) -> None: ...
 
+    @abstractmethod
+    async def pause(self) -> None:
+        """Freeze generation: requests in flight keep their progress and continue after ``resume``."""
+
+    @abstractmethod
+    async def resume(self) -> None: ...
+
     async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
         if not prompt_ids:
             raise ValueError("generate needs at least one prompt token")

@@ -27,6 +27,8 @@ class TorchEngine(RolloutEngine):
         self.device, self.dtype, self.max_batch, self.seed = device, getattr(torch, dtype), max_batch, seed
         self.model = None
         self._weights = threading.Lock()
+        self._unpaused = threading.Event()
+        self._unpaused.set()
         self._pending: asyncio.Queue | None = None
         self._scheduler: asyncio.Task | None = None
 
@@ -44,6 +46,12 @@ class TorchEngine(RolloutEngine):
         if self._scheduler is not None:
             self._scheduler.cancel()
             self._scheduler = None
+
+    async def pause(self) -> None:
+        self._unpaused.clear()
+
+    async def resume(self) -> None:
+        self._unpaused.set()
 
     async def _generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
         done = asyncio.get_running_loop().create_future()
@@ -97,6 +105,7 @@ class TorchEngine(RolloutEngine):
         alive = [m > 0 for m in max_new]
         cache, seen = None, None
         while any(alive):
+            self._unpaused.wait()
             with self._weights:
                 version = self.version
                 if version != seen:  # first step, or new weights: (re)compute the whole context's KV

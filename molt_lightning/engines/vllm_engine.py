@@ -67,6 +67,12 @@ class VLLMEngine(RolloutEngine):
             self.llm.shutdown()
             self.llm = None
 
+    async def pause(self) -> None:
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
     async def _generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
         from vllm import SamplingParams
 
@@ -92,13 +98,13 @@ class VLLMEngine(RolloutEngine):
     async def _load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         path = await asyncio.to_thread(self._write, state)
         try:
-            await self.llm.pause_generation(mode="keep", clear_cache=False)
+            await self.pause()
             try:
                 await self.llm.collective_rpc("molt_load_weights", args=(path,))
                 await self.llm.reset_prefix_cache(reset_running_requests=True)
                 await self.llm.update_weight_version(str(version))
             finally:
-                await self.llm.resume_generation()
+                await self.resume()
         finally:
             os.unlink(path)
 
