@@ -2,6 +2,7 @@
 
 from .monitor import RolloutMonitor
 from .plot import RewardPlot
+from .samples import RolloutSamples
 from .weight_sync import WeightSync
 
-__all__ = ["RewardPlot", "RolloutMonitor", "WeightSync"]
+__all__ = ["RewardPlot", "RolloutMonitor", "RolloutSamples", "WeightSync"]

@@ -16,6 +16,12 @@ class WeightSync(L.Callback):
         self.every_n_steps = every_n_steps
 
     def on_train_start(self, trainer, pl_module) -> None:
+        max_lag = pl_module.source.max_lag
+        if self.every_n_steps > max_lag + 1:
+            raise ValueError(
+                f"WeightSync(every_n_steps={self.every_n_steps}) with max_lag={max_lag} would stall: the engine would "
+                f"still serve a version the trainer may no longer use. Use every_n_steps <= max_lag + 1."
+            )
         pl_module.push_weights()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -1,0 +1,43 @@
+"""Callbacks around the loop: decoded rollout samples, the reward plot, weight-sync cadence."""
+
+import json
+
+import lightning as L
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+
+from molt_lightning.callbacks import RolloutSamples, WeightSync
+from molt_lightning.engines import TorchEngine
+from molt_lightning.module import AsyncRLModule
+
+
+def test_rollout_samples_and_sync_every_k(tmp_path):
+    pushes = []
+
+    class CountingSync(WeightSync):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            before = pl_module.engine.version
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            pushes.append((trainer.global_step, before, pl_module.engine.version))
+
+    module = AsyncRLModule(engine=TorchEngine(), group_size=2, prompts_per_step=2, max_lag=2)
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", logger=CSVLogger(tmp_path), log_every_n_steps=1,
+                        callbacks=[RolloutSamples(every_n_steps=2, per_step=1), CountingSync(every_n_steps=2)],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module)
+    # versions reach the engine only every second step
+    assert pushes == [(1, 0, 0), (2, 0, 2), (3, 2, 2), (4, 2, 4)]
+    lines = [json.loads(x) for x in open(f"{trainer.logger.log_dir}/rollouts.jsonl")]
+    assert [x["step"] for x in lines] == [0, 2]
+    kinds = [s["kind"] for s in lines[0]["spans"]]
+    assert kinds[0] == "prompt" and "policy" in kinds
+    assert "What is" in lines[0]["spans"][0]["text"]
+    assert all(s["versions"] for s in lines[0]["spans"] if s["kind"] == "policy")
+
+
+def test_sync_cadence_that_would_stall_is_refused(tmp_path):
+    module = AsyncRLModule(engine=TorchEngine(), group_size=2, prompts_per_step=2, max_lag=0)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, callbacks=[WeightSync(every_n_steps=2)],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="every_n_steps <= max_lag \\+ 1"):
+        trainer.fit(module)
