@@ -1,0 +1,132 @@
+"""``molt-bench``: run matched protocols over seeds, import runs made elsewhere, compare two run sets.
+
+    molt-bench run PROTOCOL --stack molt|molt-sync|trl --seeds N --out DIR [--set steps=30] [--engine torch|vllm]
+    molt-bench import FILE... --protocol PROTOCOL --source-stack slime|nemo-rl|verl|trl|molt|custom --out DIR
+    molt-bench compare A B [--metric M] [--margin D|P%] [--by step|samples|wall] [--allow-diff FIELD] [--report DIR]
+    molt-bench protocols        # the protocols shipped in protocols/, with fingerprints
+
+Arguments are parsed before anything heavy is imported (``--help`` answers at once); torch, Lightning and TRL load
+only inside ``run``. Errors a user can fix (a protocol mismatch, a missing column, a bad flag) print one message
+naming the problem and the fix, and exit with status 2; the verdict never changes the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="molt-bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run a protocol's seeds on one stack here")
+    r.add_argument("protocol", help="a protocol YAML path, or a name from protocols/ (e.g. arithmetic-tiny)")
+    r.add_argument("--stack", required=True, help="molt | molt-sync | trl")
+    r.add_argument("--seeds", type=int, default=None, help="run the protocol's first N seeds (default: all)")
+    r.add_argument("--out", required=True, type=Path, help="output folder (resumed if it holds the same run)")
+    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="change a protocol field for this run (recorded), e.g. --set steps=30")
+    r.add_argument("--engine", default="torch", choices=("torch", "vllm"), help="molt stacks: rollout engine")
+    r.add_argument("--torch-threads", type=int, default=None, help="molt stacks: trainer intra-op threads")
+
+    i = sub.add_parser("import", help="import runs made elsewhere (one file or folder per seed)")
+    i.add_argument("sources", nargs="+", type=Path, help="metrics files or folders, one per seed")
+    i.add_argument("--protocol", required=True, help="the protocol those runs followed")
+    i.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="protocol fields those runs changed, e.g. --set max_lag=2")
+    i.add_argument("--source-stack", required=True, help="whose column names: molt, trl, trl-wandb, slime, "
+                   "nemo-rl, verl, or custom (then give every --map)")
+    i.add_argument("--format", default=None, help="lightning-csv | jsonl | tensorboard | wandb-csv (default: guess)")
+    i.add_argument("--map", dest="maps", action="append", default=[], metavar="NAME=COLUMN",
+                   help="map a protocol metric (or step, samples_per_step, step_base) to a source column")
+    i.add_argument("--step-key", default=None, help="the source's step column, if not a usual name")
+    i.add_argument("--seed-ids", default=None, help="comma-separated seed of each run, in order (default 0..N-1)")
+    i.add_argument("--devices", type=int, default=1, help="devices per run (divides per-device metrics)")
+    i.add_argument("--label", default=None, help="a name for this run set in reports")
+    i.add_argument("--out", required=True, type=Path)
+
+    c = sub.add_parser("compare", help="compare two run sets with a named test and a verdict")
+    c.add_argument("a", type=Path, help="run set A")
+    c.add_argument("b", type=Path, help="run set B (the reference for relative margins)")
+    c.add_argument("--metric", action="append", default=None, help="metric(s) to compare (default: the protocol's)")
+    c.add_argument("--margin", default=None, help="equivalence margin: a number, or N%% of B's mean")
+    c.add_argument("--goal", default=None, choices=("max", "min"), help="for metrics the protocol does not list")
+    c.add_argument("--by", default="step", choices=("step", "samples", "wall"), help="x axis and horizon")
+    c.add_argument("--summary", default=None, choices=("final", "mean", "auc"), help="override the protocol's")
+    c.add_argument("--allow-diff", action="append", default=[], metavar="FIELD",
+                   help="a protocol field the runs may differ in (e.g. max_lag); repeat for several")
+    c.add_argument("--alpha", type=float, default=0.05)
+    c.add_argument("--power", type=float, default=0.8, help="target power for the seed-count advice")
+    c.add_argument("--report", type=Path, default=None, help="report folder (default bench-reports/A-vs-B)")
+    c.add_argument("--no-report", action="store_true", help="print only")
+
+    sub.add_parser("protocols", help="list the shipped protocols and their fingerprints")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .protocol import ProtocolError
+    from .runs import RunSetError
+
+    try:
+        return COMMANDS[args.command](args)
+    except (ProtocolError, RunSetError, FileExistsError, ValueError, ImportError) as e:
+        print(f"molt-bench {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def cmd_run(args) -> int:
+    from .protocol import load_protocol
+    from .runner import run
+
+    protocol = load_protocol(args.protocol, args.overrides)
+    out = run(protocol, args.stack, args.seeds, args.out,
+              {"engine": args.engine, "torch_threads": args.torch_threads})
+    print(f"[molt-bench] wrote {out}")
+    return 0
+
+
+def cmd_import(args) -> int:
+    from .protocol import load_protocol
+    from .runner import import_runs
+
+    protocol = load_protocol(args.protocol, args.overrides)
+    seeds = [int(s) for s in args.seed_ids.split(",")] if args.seed_ids else None
+    out = import_runs(args.sources, protocol, args.source_stack, args.out, args.format, args.maps, seeds,
+                      args.step_key, args.devices, args.label)
+    print(f"[molt-bench] imported {len(args.sources)} source(s) into {out}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from . import report
+    from .compare import compare_runsets, text_report
+
+    a, b, allowed, results = compare_runsets(
+        args.a, args.b, args.metric, by=args.by, summary=args.summary, margin=args.margin, goal=args.goal,
+        allow=args.allow_diff, alpha=args.alpha, power=args.power)
+    print(text_report(a, b, allowed, results))
+    if not args.no_report:
+        folder = args.report or Path("bench-reports") / f"{a.path.name}-vs-{b.path.name}"
+        paths = report.write(folder, a, b, allowed, results)
+        print(f"\nreport: {paths['markdown']}  {paths['html']}")
+    return 0
+
+
+def cmd_protocols(args) -> int:
+    from .protocol import PROTOCOL_DIR, load_protocol
+
+    for path in sorted(PROTOCOL_DIR.glob("*.yaml")):
+        p = load_protocol(path)
+        print(f"{p.name:24s} {p.fingerprint}  {path}")
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "import": cmd_import, "compare": cmd_compare, "protocols": cmd_protocols}
+
+if __name__ == "__main__":  # vLLM starts its engine core with spawn: keep the entry point guarded
+    sys.exit(main())

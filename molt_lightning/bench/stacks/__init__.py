@@ -1,0 +1,60 @@
+"""The stacks ``molt-bench run`` can run here, behind one small record each.
+
+- ``molt``: ``AsyncRLModule`` as the protocol says (asynchronous, staleness bound ``max_lag``).
+- ``molt-sync``: the same code path with ``max_lag: 0`` (exact on-policy); its recorded protocol says so, so
+  comparing it with ``molt`` needs ``--allow-diff max_lag``.
+- ``trl``: TRL's ``GRPOTrainer`` (optional extra ``molt-lightning[trl]``) on the same model, task stream and agent
+  program; synchronous by construction (``max_lag: 0``). See ``stacks/trl.py`` for what is matched and what is not.
+
+A stack is a name, the protocol fields it changes (recorded in the run's protocol), honest notes, a ``check``
+that refuses protocol values it cannot honour, and ``run_seed(protocol, seed, workdir, options) -> frame``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stack:
+    name: str
+    module: str  # where check() and run_seed() live, imported only when the stack runs
+    changes: dict = field(default_factory=dict)
+    notes: str = ""
+
+    def _impl(self):
+        return importlib.import_module(self.module)
+
+    def check(self, protocol) -> None:
+        self._impl().check(protocol)
+
+    @property
+    def run_seed(self) -> Callable:
+        return self._impl().run_seed
+
+    def describe(self, options: dict) -> dict:
+        return self._impl().describe(options)
+
+
+STACKS = {
+    "molt": Stack("molt", "molt_lightning.bench.stacks.molt",
+                  notes="molt AsyncRLModule, asynchronous rollouts bounded by max_lag"),
+    "molt-sync": Stack("molt-sync", "molt_lightning.bench.stacks.molt", changes={"max_lag": 0},
+                       notes="molt AsyncRLModule with max_lag 0: synchronous on-policy, same code path"),
+    "trl": Stack("trl", "molt_lightning.bench.stacks.trl", changes={"max_lag": 0},
+                 notes="TRL GRPOTrainer, synchronous; the agent runs through TRL's rollout_func (see stacks/trl.py)"),
+}
+
+
+def get_stack(name: str) -> Stack:
+    if name not in STACKS:
+        raise ValueError(f"unknown stack {name!r}: use one of {sorted(STACKS)}; runs made elsewhere come in through "
+                         "`molt-bench import`")
+    return STACKS[name]
+
+
+def unsupported(stack: str, field_: str, value, supported) -> ValueError:
+    return ValueError(f"stack {stack} cannot run {field_}={value!r} (it supports {supported}); change the protocol "
+                      f"or --set {field_}=...")

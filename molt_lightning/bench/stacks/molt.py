@@ -1,0 +1,109 @@
+"""The molt stack: one seed of ``AsyncRLModule`` under ``lightning.Trainer``, as a protocol describes it.
+
+Seeding: ``lightning.seed_everything(seed)``, the task stream ``tasks(seed)`` and the engine's sampler seed. The run
+logs with Lightning's ``CSVLogger`` into ``workdir`` (kept as the seed's raw log) and the bench reads that file back
+through the same Lightning-CSV importer users use for their own molt runs, so ``run`` and ``import`` cannot drift.
+
+Options: ``engine`` = ``torch`` (default; ``TorchEngine``) or ``vllm`` (``VLLMEngine``, ~40 s start per seed on this
+CPU). The engine is a stack option, not a protocol field: it changes systems numbers, not the algorithm, and the
+manifest records it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import warnings
+from pathlib import Path
+
+from . import unsupported
+
+SUPPORTED = {
+    "optimizer.name": ("adamw",), "optimizer.schedule": ("constant",), "optimizer.betas": ([0.9, 0.999],),
+    "sampling.top_p": (1.0, 1),
+}
+# protocol algorithm keys that are not ``Algorithm`` fields, and the one value molt's loop implies for each
+IMPLIED = {"updates_per_batch": (1,), "kl_coef": (0, 0.0)}
+
+
+def check(protocol) -> None:
+    from ...algorithms import Algorithm
+
+    for dotted, ok in SUPPORTED.items():
+        value = protocol.get(dotted)
+        if value not in ok:
+            raise unsupported("molt", dotted, value, list(ok))
+    fields = {f.name for f in dataclasses.fields(Algorithm)}
+    for key, value in protocol.data["algorithm"].items():
+        if key in fields:
+            continue  # passed to Algorithm as it is
+        if key not in IMPLIED:
+            raise unsupported("molt", f"algorithm.{key}", value, sorted(fields | set(IMPLIED)))
+        if value not in IMPLIED[key]:
+            raise unsupported("molt", f"algorithm.{key}", value, list(IMPLIED[key]))
+    agent = protocol.get("task.agent")
+    if agent == "molt_lightning.tasks.arithmetic.calculator_agent":
+        from ...tasks import arithmetic
+
+        if protocol.get("task.max_turns") != arithmetic.MAX_TURNS:
+            raise unsupported("molt", "task.max_turns", protocol.get("task.max_turns"), [arithmetic.MAX_TURNS])
+
+
+def describe(options: dict) -> dict:
+    return {"engine": options.get("engine", "torch"), "trainer": "lightning.Trainer + AsyncRLModule"}
+
+
+def dotted(path: str):
+    module, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"cannot import {path!r} named by the protocol: {e}") from e
+
+
+def make_engine(name: str, seed: int):
+    from ...engines import TorchEngine, VLLMEngine
+
+    if name == "torch":
+        return TorchEngine(seed=seed)
+    if name == "vllm":
+        return VLLMEngine(seed=seed)
+    raise ValueError(f"--engine {name!r}: use torch or vllm")
+
+
+def run_seed(protocol, seed: int, workdir: Path, options: dict):
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from ...algorithms import Algorithm
+    from ...module import AsyncRLModule
+    from .. import importers, runs
+
+    p = protocol.data
+    algo_fields = {f.name for f in dataclasses.fields(Algorithm)}
+    algo = Algorithm(**{k: v for k, v in p["algorithm"].items() if k in algo_fields})
+    L.seed_everything(seed, workers=True, verbose=False)
+    module = AsyncRLModule(
+        policy=p["model"]["policy"], agent=dotted(p["task"]["agent"]), tasks=dotted(p["task"]["tasks"]),
+        engine=make_engine(options.get("engine", "torch"), seed),
+        group_size=int(p["batch"]["samples_per_prompt"]), prompts_per_step=int(p["batch"]["prompts_per_step"]),
+        max_lag=int(p["max_lag"]), temperature=float(p["sampling"]["temperature"]), task_seed=seed, algo=algo,
+        lr=float(p["optimizer"]["lr"]), weight_decay=float(p["optimizer"]["weight_decay"]),
+        grad_clip=float(p["optimizer"]["grad_clip"]), dtype=p["model"].get("dtype", "float32"),
+        torch_threads=options.get("torch_threads"),
+    )
+    logger = CSVLogger(str(workdir), name="lightning_logs")
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's "no validation"/"few workers" advice is noise here
+        trainer = L.Trainer(
+            max_steps=int(p["steps"]), logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+            accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(module)
+    ((_, raw),) = importers.read_lightning_csv(Path(logger.log_dir) / "metrics.csv")
+    spec = importers.STACK_COLUMNS["molt"]
+    return runs.normalise(raw, spec["columns"], protocol.samples_per_step, spec["step_base"],
+                          devices=trainer.num_devices, per_device=spec["per_device"])
