@@ -16,6 +16,11 @@ Staleness, bounded two ways (after AReaL's admission control, with a hard check 
 
 Failed samples (agent raised, timed out, returned a non-finite reward) are counted, logged and never trained on; the
 rest of their group still is. A group with no usable sample is dropped, counted, and its prompt is not retried.
+
+Dynamic sampling (DAPO): an optional ``group_filter(rewards) -> keep?`` sees every completed group's usable rewards;
+a rejected group is dropped and counted (``dropped_filtered_groups``/``_samples``), its prompt is done, and its
+admission slot opens for a new prompt, so batches are refilled with groups that pass. After ``FILTER_PATIENCE``
+batches' worth of rejected groups in a row the source fails loudly (the task is solved or unsolvable for the policy).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from .trajectory import Status, Trajectory
 
 log = logging.getLogger("molt_lightning.rollout")
 Group = list[Trajectory]
+FILTER_PATIENCE = 20  # batches' worth of consecutively rejected groups before dynamic sampling gives up
 
 
 class RolloutSource:
@@ -50,6 +56,7 @@ class RolloutSource:
         max_context: int = 1024,
         timeout_s: float = 300.0,
         task_seed: int = 0,
+        group_filter: Callable[[list[float]], bool] | None = None,
     ):
         if group_size < 1 or prompts_per_step < 1 or max_lag < 0:
             raise ValueError("group_size and prompts_per_step must be >= 1 and max_lag >= 0")
@@ -57,7 +64,9 @@ class RolloutSource:
             raise ValueError("temperature must be > 0 for RL (greedy sampling has no logprobs to correct against)")
         self.agent, self.tasks, self.G, self.P = agent, tasks, group_size, prompts_per_step
         self.max_lag, self.temperature, self.max_context = max_lag, temperature, max_context
-        self.timeout_s, self.task_seed = timeout_s, task_seed
+        self.timeout_s, self.task_seed, self.group_filter = timeout_s, task_seed, group_filter
+        self._rejected_in_a_row = 0
+        self._filtered_reward = 0.0  # reward sum of the samples dynamic sampling dropped since the last batch
         self.engine: RolloutEngine | None = None
         self.counts: Counter = Counter()  # cumulative counters, reported by the monitor
         self._reported: Counter = Counter()
@@ -139,13 +148,16 @@ class RolloutSource:
         return [t for _, group in taken for t in group]
 
     def take_stats(self) -> dict[str, float]:
-        """Counters since the previous call (``new/...``), their running totals, and the engine's idle time."""
+        """Counters since the previous call (``new/...``), their running totals, the reward sum of the samples the
+        group filter dropped since the previous call (``filtered_reward_sum``), and the engine's idle time."""
         with self._cond:
             delta = self.counts - self._reported
             self._reported = Counter(self.counts)
             stats = {f"new/{k}": float(v) for k, v in delta.items()}
             stats.update({f"total/{k}": float(v) for k, v in self.counts.items()})
-            stats.update(buffered_groups=float(len(self._ready)), running_groups=float(self._running))
+            stats.update(buffered_groups=float(len(self._ready)), running_groups=float(self._running),
+                         filtered_reward_sum=self._filtered_reward)
+            self._filtered_reward = 0.0
         stats.update(self.engine.take_stats())
         return stats
 
@@ -234,13 +246,28 @@ class RolloutSource:
             for t in group:
                 self.counts["samples"] += 1
                 self.counts[f"status_{t.status.value}"] += 1
-            if usable:
-                self._ready.append((order, usable))
-            else:
+            if not usable:
                 self.counts["dropped_empty_groups"] += 1
                 self._mark_done(sample_id)
+            elif self.group_filter is not None and not self.group_filter([t.reward for t in usable]):
+                self._reject(sample_id, usable)
+            else:
+                self._ready.append((order, usable))
+                self._rejected_in_a_row = 0
             self._cond.notify_all()
         self._wake.set()
+
+    def _reject(self, sample_id: int, usable: Group) -> None:
+        """Dynamic sampling dropped this group (under ``self._cond``); its slot is refilled by a new prompt."""
+        self.counts["dropped_filtered_groups"] += 1
+        self.counts["dropped_filtered_samples"] += len(usable)
+        self._filtered_reward += sum(t.reward for t in usable)
+        self._mark_done(sample_id)
+        self._rejected_in_a_row += 1
+        if self._rejected_in_a_row >= FILTER_PATIENCE * self.P:
+            self._error = RuntimeError(
+                f"the group filter rejected {self._rejected_in_a_row} groups in a row (e.g. every reward equal): "
+                "the task is solved or unsolvable for this policy; turn the filter off (algo.group_filter: none)")
 
     async def _run_agent(self, sample_id: int, order: int, index: int, sample: dict) -> Trajectory:
         traj = Trajectory(sample_id=sample_id, group_id=order, info={"sample": sample, "index": index})

@@ -21,7 +21,7 @@ from molt_lightning.tasks.arithmetic import calculator_agent
 NAMED_METRICS = [  # what issue #2 asks every step to log
     "reward", "reward/std", "lag", "lag/max", "is/ratio_mean", "is/ratio_min", "is/ratio_max", "mismatch/kl",
     "loss/clip_frac", "samples/status_failed", "samples/dropped_stale_groups", "samples/status_failed_total",
-    "perf/gen_tokens_per_s", "perf/trainer_idle_s", "perf/engine_idle_frac", "perf/weight_sync_s",
+    "perf/gen_tokens_per_s", "perf/trainer_idle_s", "perf/engine_idle_frac", "perf/weight_sync_s", "reward/all_samples",
 ]
 
 

@@ -1,36 +1,71 @@
-"""Advantage estimators and policy losses: pure functions, one registry, picked by name or dotted path.
+"""Advantage estimators, policy losses, off-policy corrections and aggregations: pure functions in registries,
+picked by name (or a user's dotted path) from the recipe's ``Algorithm`` record.
 
-- An advantage estimator: ``fn(rewards (M,), group_ids (M,), cfg) -> advantages (M,)``, one value per trajectory.
-- A policy loss: ``fn(inputs: LossInputs, cfg) -> (loss, metrics)``; ``metrics`` maps names to detached scalars.
+| piece            | interface                                                   | registry         | module        |
+|------------------|-------------------------------------------------------------|------------------|---------------|
+| advantage        | ``fn(AdvantageInputs, cfg) -> Advantages`` (``@outcome``)    | ``ADVANTAGES``   | advantages.py |
+| policy loss      | ``fn(LossInputs, cfg) -> (per-token loss (N, T), metrics)`` | ``LOSSES``       | losses.py     |
+| aggregation      | ``fn(x (N, T), mask, cfg) -> scalar``                       | ``AGGREGATIONS`` | objective.py  |
+| KL estimator     | ``fn(logprobs, ref_logprobs) -> (N, T)``                    | ``KL_ESTIMATORS``| objective.py  |
+| IS level/mode    | see correction.py                                           | ``IS_LEVELS``... | correction.py |
+| reward shaping   | ``fn(rewards (M,), lengths (M,), cfg) -> (M,)``             | ``REWARD_SHAPERS``| sampling.py  |
+| group filter     | ``fn(rewards: list[float]) -> bool``                        | ``GROUP_FILTERS``| sampling.py   |
 
-``cfg`` is the recipe's ``Algorithm`` record. Adding an algorithm costs one function, one registry line and one
-test; a user's own function is named by its dotted path (``mypkg.losses.my_loss``).
+Adding one costs one function, one registry line and one test. ``build(cfg)`` checks the record and resolves every
+name once, so a typo fails at construction with the list of choices, not mid-run.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from .advantages import grpo
+from . import advantages as adv
+from . import losses
+from .advantages import AdvantageInputs, Advantages
 from .config import Algorithm
-from .losses import LossInputs, ppo_clip
+from .correction import IS_FORMS, IS_LEVELS, IS_MODES, Correction, off_policy
+from .losses import LossInputs
+from .objective import AGGREGATIONS, KL_ESTIMATORS, objective
+from .registry import resolve
+from .sampling import GROUP_FILTERS, REWARD_SHAPERS
 
-ADVANTAGES: dict[str, Callable] = {"grpo": grpo}
-LOSSES: dict[str, Callable] = {"ppo_clip": ppo_clip}
-
-
-def resolve(name: str, registry: dict[str, Callable]) -> Callable:
-    """A registered name, or a dotted path ``pkg.module.function``."""
-    if name in registry:
-        return registry[name]
-    module, _, attr = name.rpartition(".")
-    if not module:
-        raise ValueError(f"unknown name {name!r}: use one of {sorted(registry)} or a dotted path pkg.module.fn")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot import {name!r} ({e}); registered names are {sorted(registry)}") from e
+ADVANTAGES: dict[str, Callable] = {
+    "grpo": adv.grpo, "dr_grpo": adv.dr_grpo, "rloo": adv.rloo, "reinforce": adv.reinforce,
+    "reinforce_pp": adv.reinforce_pp, "reinforce_pp_baseline": adv.reinforce_pp_baseline, "gae": adv.gae,
+}
+LOSSES: dict[str, Callable] = {"ppo_clip": losses.ppo_clip, "gspo": losses.gspo, "cispo": losses.cispo, "pg": losses.pg}
 
 
-__all__ = ["ADVANTAGES", "LOSSES", "Algorithm", "LossInputs", "resolve"]
+@dataclass(frozen=True)
+class Pieces:
+    """What the module calls each step, resolved once from the recipe."""
+
+    advantage: Callable  # fn(AdvantageInputs, cfg) -> Advantages
+    loss: Callable  # fn(LossInputs, cfg) -> (per-token loss, metrics)
+    shape_rewards: Callable  # fn(rewards, lengths, cfg) -> rewards
+    group_filter: Callable | None  # fn(rewards: list[float]) -> keep?; None keeps every group
+    needs_values: bool  # the estimator reads a value head (GAE)
+    needs_reference: bool  # kl_coef > 0: a frozen copy of the initial policy
+
+
+def build(cfg: Algorithm) -> Pieces:
+    cfg.check()
+    for name, registry, what in [(cfg.aggregation, AGGREGATIONS, "aggregation"), (cfg.is_level, IS_LEVELS, "is_level"),
+                                 (cfg.is_mode, IS_MODES, "is_mode"), (cfg.is_form, IS_FORMS, "is_form"),
+                                 (cfg.kl_estimator, KL_ESTIMATORS, "kl_estimator")]:
+        resolve(name, registry, what)  # fail now, with the choices, rather than at the first step
+    advantage = resolve(cfg.advantage, ADVANTAGES, "advantage")
+    return Pieces(
+        advantage=advantage, loss=resolve(cfg.loss, LOSSES, "loss"),
+        shape_rewards=resolve(cfg.reward_shaping, REWARD_SHAPERS, "reward_shaping"),
+        group_filter=resolve(cfg.group_filter, GROUP_FILTERS, "group_filter"),
+        needs_values=getattr(advantage, "needs_values", False), needs_reference=cfg.kl_coef > 0,
+    )
+
+
+__all__ = [
+    "ADVANTAGES", "AGGREGATIONS", "GROUP_FILTERS", "IS_FORMS", "IS_LEVELS", "IS_MODES", "KL_ESTIMATORS", "LOSSES",
+    "REWARD_SHAPERS", "AdvantageInputs", "Advantages", "Algorithm", "Correction", "LossInputs", "Pieces", "build",
+    "objective", "off_policy", "resolve",
+]

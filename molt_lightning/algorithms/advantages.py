@@ -1,21 +1,148 @@
-"""Advantage estimators: one value per trajectory from its reward and its group."""
+"""Advantage estimators: ``fn(inp: AdvantageInputs, cfg) -> Advantages`` with one value per policy token.
+
+Most estimators score a whole trajectory from its reward and its group (outcome rewards); ``@outcome`` turns such a
+``fn(rewards (M,), group_ids (M,), cfg) -> (M,)`` into the token-level interface by spreading each trajectory's
+value over its policy tokens (every segment of a trajectory gets it). The plain function stays reachable as
+``fn.__wrapped__``. Token-level estimators (REINFORCE++, GAE) see the mask and, for GAE, the value head's predictions.
+
+An estimator that needs a value head says so with ``needs_values = True``; the module then builds a value head and
+fills ``AdvantageInputs.values``, and the estimator returns ``Advantages.returns`` as the value head's targets.
+
+- GRPO (Shao et al. 2024): (r - group mean) / (group std + eps); ``scale_by_std=False`` drops the division.
+- Dr. GRPO (Liu et al. 2025): r - group mean (pair it with ``seq_mean_token_sum_norm`` aggregation).
+- RLOO (Ahmadian et al. 2024): r - mean of the *other* members of the group.
+- REINFORCE with a baseline (Williams 1992): r - mean reward of the batch.
+- REINFORCE++ (Hu 2025): the return (r on every token, gamma = 1) normalized over all policy tokens of the batch;
+  ``reinforce_pp_baseline`` subtracts the group mean first (verl's ``reinforce_plus_plus_baseline``).
+- GAE (Schulman et al. 2016) on a value head, whitened over the batch's policy tokens (as verl does for PPO).
+
+Deviations: std is the unbiased sample std (as TRL and verl); a group (or batch) of one has std 0, so its advantage
+is 0. REINFORCE++ here has no KL-in-reward term: use ``kl_coef`` (KL in the loss) instead. GAE treats each row (a
+segment) as one episode: the trajectory reward arrives at the row's last policy token, prompt and tool tokens are not
+steps (the next policy token's value is bootstrapped across them).
+"""
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 
-def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, cfg) -> torch.Tensor:
-    """GRPO (Shao et al. 2024, DeepSeekMath): ``(r - mean_group) / (std_group + eps)``.
+@dataclass
+class AdvantageInputs:
+    rewards: torch.Tensor  # (M,) per trajectory, after reward shaping
+    group_ids: torch.Tensor  # (M,) long
+    traj_ids: torch.Tensor  # (N,) long: the trajectory of each row
+    mask: torch.Tensor  # (N, T) bool: policy tokens
+    values: torch.Tensor | None = None  # (N, T) detached value predictions (estimators with needs_values only)
 
-    std is the unbiased sample std (as TRL and verl compute it); a group of one has std 0 by convention, so its
-    advantage is 0. ``cfg.scale_by_std=False`` gives the mean-only baseline (Dr. GRPO's estimator).
-    """
+
+@dataclass
+class Advantages:
+    advantages: torch.Tensor  # (N, T), 0 off the mask
+    returns: torch.Tensor | None = None  # (N, T) value-head targets (estimators with needs_values only)
+
+
+def outcome(fn: Callable) -> Callable:
+    """Lift ``fn(rewards (M,), group_ids (M,), cfg) -> (M,)`` to ``fn(AdvantageInputs, cfg) -> Advantages``."""
+
+    @functools.wraps(fn)
+    def estimator(inp: AdvantageInputs, cfg) -> Advantages:
+        adv = fn(inp.rewards, inp.group_ids, cfg)[inp.traj_ids]  # (N,)
+        return Advantages(adv[:, None] * inp.mask)  # (N, T)
+
+    return estimator
+
+
+def group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per trajectory: its group's mean, unbiased std (0 for a group of one) and size, each (M,)."""
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)  # (M,), (K,)
-    K = counts.numel()
-    sums = torch.zeros(K, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards)
-    mean = (sums / counts)[inverse]  # (M,)
-    sq = torch.zeros(K, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, (rewards - mean) ** 2)
+    zeros = torch.zeros(counts.numel(), dtype=rewards.dtype, device=rewards.device)  # (K,)
+    mean = (zeros.index_add(0, inverse, rewards) / counts)[inverse]  # (M,)
+    sq = zeros.index_add(0, inverse, (rewards - mean) ** 2)  # (K,)
     std = (sq / (counts - 1).clamp(min=1)).sqrt()[inverse]  # (M,)
-    adv = rewards - mean
+    return mean, std, counts[inverse].to(rewards.dtype)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the masked entries (unbiased std), 0 off the mask."""
+    m = mask.to(x.dtype)
+    n = m.sum()
+    mean = (x * m).sum() / n.clamp(min=1)
+    std = (((x - mean) ** 2 * m).sum() / (n - 1).clamp(min=1)).sqrt()
+    return (x - mean) / (std + eps) * m
+
+
+@outcome
+def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, cfg) -> torch.Tensor:
+    """GRPO: ``(r - mean_group) / (std_group + eps)``, or ``r - mean_group`` with ``cfg.scale_by_std=False``."""
+    mean, std, _ = group_stats(rewards, group_ids)  # (M,) each
+    adv = rewards - mean  # (M,)
     return adv / (std + cfg.eps) if cfg.scale_by_std else adv
+
+
+@outcome
+def dr_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, cfg) -> torch.Tensor:
+    """Dr. GRPO: ``r - mean_group`` (no std division, whatever ``scale_by_std`` says)."""
+    mean, _, _ = group_stats(rewards, group_ids)  # (M,)
+    return rewards - mean
+
+
+@outcome
+def rloo(rewards: torch.Tensor, group_ids: torch.Tensor, cfg) -> torch.Tensor:
+    """RLOO: ``r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean_group)``; 0 for a group of one."""
+    mean, _, n = group_stats(rewards, group_ids)  # (M,) each
+    return (rewards - mean) * n / (n - 1).clamp(min=1)
+
+
+@outcome
+def reinforce(rewards: torch.Tensor, group_ids: torch.Tensor, cfg) -> torch.Tensor:
+    """REINFORCE with the batch-mean baseline: ``r - mean(r)`` (each trajectory counted once)."""
+    return rewards - rewards.mean()
+
+
+def reinforce_pp(inp: AdvantageInputs, cfg) -> Advantages:
+    """REINFORCE++: every policy token's return is the trajectory reward (gamma = 1), normalized over all policy
+    tokens of the batch (token-weighted mean and std, as OpenRLHF and verl)."""
+    returns = inp.rewards[inp.traj_ids][:, None].expand(inp.mask.shape)  # (N, T)
+    return Advantages(whiten(returns, inp.mask, cfg.eps))
+
+
+def reinforce_pp_baseline(inp: AdvantageInputs, cfg) -> Advantages:
+    """REINFORCE++ with the group mean subtracted before the batch normalization."""
+    mean, _, _ = group_stats(inp.rewards, inp.group_ids)  # (M,)
+    centred = (inp.rewards - mean)[inp.traj_ids][:, None].expand(inp.mask.shape)  # (N, T)
+    return Advantages(whiten(centred, inp.mask, cfg.eps))
+
+
+def gae(inp: AdvantageInputs, cfg) -> Advantages:
+    """GAE(gamma, lambda) over each row's policy tokens, reward at the row's last policy token:
+
+    delta_t = r_t + gamma * V_next - V_t,  A_t = delta_t + gamma * lambda * A_next,  returns = A + V,
+    where "next" is the next *policy* token of the row (V_next = 0 after the last one). Advantages are then
+    whitened over the batch; the returns (value targets) are not.
+    """
+    values, mask = inp.values, inp.mask
+    N, T = mask.shape
+    last = torch.where(mask, torch.arange(T, device=mask.device), -1).amax(dim=1)  # (N,) last policy token
+    token_rewards = torch.zeros_like(values)  # (N, T)
+    rows = torch.arange(N, device=mask.device)[last >= 0]  # rows with at least one policy token
+    token_rewards[rows, last[rows]] = inp.rewards[inp.traj_ids][rows]
+    adv = torch.zeros_like(values)  # (N, T)
+    next_value = torch.zeros(N, dtype=values.dtype, device=values.device)  # (N,)
+    next_adv = torch.zeros_like(next_value)  # (N,)
+    for t in reversed(range(T)):
+        delta = token_rewards[:, t] + cfg.gamma * next_value - values[:, t]  # (N,)
+        a = delta + cfg.gamma * cfg.lam * next_adv  # (N,)
+        m = mask[:, t]
+        adv[:, t] = torch.where(m, a, 0.0)
+        next_adv = torch.where(m, a, next_adv)  # prompt and tool tokens are not steps: carry across them
+        next_value = torch.where(m, values[:, t], next_value)
+    returns = (adv + values) * mask  # (N, T)
+    return Advantages(whiten(adv, mask, cfg.eps), returns)
+
+
+gae.needs_values = True

@@ -1,4 +1,9 @@
-"""The recipe's algorithm record: which estimator and loss, and their knobs (one flat dataclass, shown by --help)."""
+"""The recipe's algorithm record: which pieces (by registered name or dotted path) and their knobs.
+
+One flat dataclass, so ``molt fit --help`` lists every knob. The defaults are GRPO with PPO clipping, token-mean
+aggregation and token-level truncated importance sampling (TIS, cap 2) in the decoupled form. ``check`` turns a bad
+combination into one error that names the problem and the fix; ``algorithms.build`` calls it.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,63 @@ from dataclasses import dataclass
 
 @dataclass
 class Algorithm:
-    advantage: str = "grpo"  # registered name or dotted path
-    loss: str = "ppo_clip"  # registered name or dotted path
-    scale_by_std: bool = True  # GRPO: divide by the group's reward std
-    eps: float = 1e-6  # added to the std
-    clip_low: float = 0.2  # PPO ratio clipped to [1 - clip_low, 1 + clip_high]
-    clip_high: float = 0.2
-    tis_cap: float = 2.0  # truncated importance sampling: weight = min(pi_prox / pi_engine, tis_cap)
+    # ----- pieces: registered names or dotted paths (pkg.module.fn) -----
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce | reinforce_pp | reinforce_pp_baseline | gae
+    loss: str = "ppo_clip"  # ppo_clip | gspo | cispo | pg
+    aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
+    reward_shaping: str = "none"  # none | overlong (DAPO soft overlong punishment)
+    group_filter: str = "none"  # none | nonzero_std (DAPO dynamic sampling)
+    # ----- advantages -----
+    scale_by_std: bool = True  # GRPO: divide by the group's reward std (False: Dr. GRPO's mean-only estimator)
+    eps: float = 1e-6  # added to every std we divide by
+    gamma: float = 1.0  # GAE discount per policy token
+    lam: float = 1.0  # GAE lambda
+    value_coef: float = 0.5  # GAE: weight of the value head's loss 0.5 * (V - return)^2 (token mean)
+    # ----- policy loss -----
+    clip_low: float = 0.2  # PPO ratio clipped to [1 - clip_low, 1 + clip_high]; clip_high > clip_low is DAPO's
+    clip_high: float = 0.2  # clip-higher. CISPO clips its IS weight to the same band; GSPO its sequence ratio.
+    dual_clip: float = 0.0  # dual-clip constant c > 1 (Ye et al. 2020) for negative advantages; 0 turns it off
+    loss_norm_tokens: int = 0  # seq_mean_token_sum_norm: the constant token normalizer (Dr. GRPO's max length)
+    # ----- off-policy correction against the engine's logprobs -----
+    is_form: str = "decoupled"  # decoupled (PPO old = trainer before the update; IS weight vs engine) | bypass
+    is_level: str = "token"  # token | sequence (product over the row) | geometric (geometric mean over the row)
+    is_mode: str = "truncate"  # truncate: min(w, cap) | clip: clamp(w, floor, cap) | mask: w in band | none
+    tis_cap: float = 2.0  # upper bound of the IS weight (truncate, clip) or of the band (mask)
+    is_floor: float = 0.0  # lower bound of the IS weight (clip) or of the band (mask; IcePop uses 0.5)
+    # ----- regularizers -----
+    kl_coef: float = 0.0  # > 0 loads a frozen reference policy and adds kl_coef * KL(policy || reference) per token
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman 2020)
+    entropy_coef: float = 0.0  # entropy bonus: the loss subtracts entropy_coef * per-token entropy
+    # ----- reward shaping (DAPO overlong) -----
+    overlong_max_tokens: int = 0  # L_max: longest response (policy tokens of a trajectory) before the full penalty
+    overlong_buffer: int = 0  # L_cache: the penalty ramps from 0 to -overlong_penalty over the last this many tokens
+    overlong_penalty: float = 1.0
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the problem and the fix (names are checked by ``algorithms.build``)."""
+        problems = []
+        if not 0 <= self.clip_low <= 1 or self.clip_high < 0:
+            problems.append(f"clip_low={self.clip_low}, clip_high={self.clip_high}: need 0 <= clip_low <= 1 and "
+                            "clip_high >= 0 (the ratio is clipped to [1 - clip_low, 1 + clip_high])")
+        if self.dual_clip != 0 and self.dual_clip <= 1:
+            problems.append(f"dual_clip={self.dual_clip}: use a constant > 1 (3.0 in the paper), or 0 to turn it off")
+        if not 0 <= self.is_floor < self.tis_cap:
+            problems.append(f"is_floor={self.is_floor}, tis_cap={self.tis_cap}: need 0 <= is_floor < tis_cap")
+        if self.is_form == "bypass" and self.is_mode != "none":
+            problems.append("is_form='bypass' takes the engine's logprobs as PPO's old policy, so there is no separate "
+                            f"IS weight to {self.is_mode}: set is_mode: none (or use is_form: decoupled)")
+        if self.aggregation == "seq_mean_token_sum_norm" and self.loss_norm_tokens <= 0:
+            problems.append("aggregation 'seq_mean_token_sum_norm' divides by a constant: set loss_norm_tokens to the "
+                            "longest response a trajectory may generate (Dr. GRPO's MAX_TOKENS)")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            problems.append(f"gamma={self.gamma}, lam={self.lam}: both must lie in [0, 1]")
+        if self.kl_coef < 0 or self.entropy_coef < 0 or self.value_coef < 0:
+            problems.append("kl_coef, entropy_coef and value_coef must be >= 0")
+        if self.reward_shaping == "overlong" and not 0 < self.overlong_buffer <= self.overlong_max_tokens:
+            problems.append("reward_shaping 'overlong' needs 0 < overlong_buffer <= overlong_max_tokens "
+                            f"(got {self.overlong_buffer}, {self.overlong_max_tokens})")
+        if problems:
+            raise ValueError("algo: " + "; ".join(problems))
 
 
 def _allow_in_checkpoints() -> None:

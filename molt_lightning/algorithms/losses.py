@@ -1,4 +1,23 @@
-"""Policy losses over per-token logprobs, with the off-policy correction against the engine's logprobs."""
+"""Policy losses: ``fn(inp: LossInputs, cfg) -> (per-token loss (N, T), metrics)``.
+
+A policy loss only says what each policy token contributes; ``objective.objective`` multiplies in the off-policy IS
+weight, adds the KL and entropy terms and aggregates over tokens, the same way for every loss. ``old_logprobs`` is
+PPO's "old" policy: the trainer's own logprobs before this update (decoupled form) or the engine's (bypass form).
+
+- ``ppo_clip``: PPO's clipped surrogate (Schulman et al. 2017), asymmetric band ``[1 - clip_low, 1 + clip_high]``
+  (clip-higher, DAPO: Yu et al. 2025) and optional dual-clip (Ye et al. 2020): for A < 0 the objective is bounded
+  below by ``dual_clip * A``.
+- ``gspo``: GSPO (Zheng et al. 2025): the same clipped surrogate on the sequence-level ratio
+  ``s = exp(mean_t log(pi / pi_old))`` over the row's policy tokens, shared by all its tokens (gradient flows through
+  every token's logprob, as the paper's GSPO-token with equal advantages).
+- ``cispo``: CISPO (MiniMax-M1, 2025): ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi``: the IS weight
+  is clipped and detached, so no token loses its gradient.
+- ``pg``: plain on-policy policy gradient (REINFORCE): ``-A * r`` with ``r = exp(log pi - sg(log pi)) = 1``, whose
+  gradient is ``-A * grad log pi`` and whose value is comparable to the others' at r = 1.
+
+Deviation: log-ratios are clamped to [-20, 20] before ``exp`` (as verl), so extreme ratios stay finite; a clamped
+token has zero gradient, and clipping counts it.
+"""
 
 from __future__ import annotations
 
@@ -6,50 +25,66 @@ from dataclasses import dataclass
 
 import torch
 
+LOG_RATIO_LIMIT = 20.0
+
 
 @dataclass
 class LossInputs:
-    """Every field is (N, T), aligned with the predicted tokens; ``mask`` marks policy tokens."""
+    """Every tensor is (N, T), aligned with the predicted tokens; ``mask`` marks policy tokens."""
 
     logprobs: torch.Tensor  # current policy, carries the gradient
-    prox_logprobs: torch.Tensor  # the policy before this update (detached): PPO's "old" policy
-    engine_logprobs: torch.Tensor  # what the sampler reported (behaviour policy)
+    old_logprobs: torch.Tensor  # detached: PPO's old policy (trainer before the update, or the engine in bypass form)
     advantages: torch.Tensor
     mask: torch.Tensor  # bool
+    is_weight: torch.Tensor | None = None  # detached off-policy weight (objective multiplies it in); None: 1
+    entropy: torch.Tensor | None = None  # per-token entropy of the policy (grad only when entropy_coef > 0)
+    ref_logprobs: torch.Tensor | None = None  # frozen reference policy (kl_coef > 0 only)
+    values: torch.Tensor | None = None  # value head predictions, with gradient (critic estimators only)
+    returns: torch.Tensor | None = None  # value head targets (critic estimators only)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over the masked entries; 0 when nothing is masked in."""
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def ppo_clip(inp: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate (Schulman et al. 2017) with token-level truncated importance sampling (TIS, Yao et al.
-    2025) in the decoupled form (Hilton et al. 2022; AReaL): the PPO ratio is taken against the proximal policy
-    (the trainer's own logprobs before the update), and each token is weighted by
-    ``w = min(pi_prox / pi_engine, tis_cap)`` (no gradient) for the gap between sampler and trainer: staleness and
-    numerical mismatch. Token-mean aggregation over the batch.
-
-    loss = -mean_t [ w_t * min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t) ],  r_t = pi_theta / pi_prox
-    """
-    m = inp.mask.float()
-    ratio = torch.exp(inp.logprobs - inp.prox_logprobs)  # (N, T)
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg):
+    """``-min(r A, clip(r) A)``, then bounded by ``-dual_clip * A`` where A < 0; returns (loss, metrics)."""
     clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)  # (N, T)
-    surrogate = torch.minimum(ratio * inp.advantages, clipped * inp.advantages)  # (N, T)
-    log_is = (inp.prox_logprobs - inp.engine_logprobs).detach()  # (N, T)
-    is_ratio = torch.exp(log_is)  # (N, T)
-    weight = is_ratio.clamp(max=cfg.tis_cap)  # (N, T)
-    loss = -masked_mean(weight * surrogate, m)
-    on = inp.mask
+    surrogate = torch.minimum(ratio * adv, clipped * adv)  # (N, T)
+    dual = (adv < 0) & (cfg.dual_clip * adv > surrogate) if cfg.dual_clip else torch.zeros_like(mask)  # (N, T)
+    surrogate = torch.where(dual, cfg.dual_clip * adv, surrogate)  # (N, T)
     with torch.no_grad():
-        metrics = {
-            "loss/policy": loss.detach(),
-            "loss/clip_frac": masked_mean((ratio * inp.advantages > clipped * inp.advantages).float(), m),
-            "is/ratio_mean": masked_mean(is_ratio, m),
-            "is/ratio_min": is_ratio[on].min() if on.any() else torch.tensor(1.0),
-            "is/ratio_max": is_ratio[on].max() if on.any() else torch.tensor(1.0),
-            "is/truncated_frac": masked_mean((is_ratio > cfg.tis_cap).float(), m),
-            # KL(engine || trainer) by the k3 estimator on engine-sampled tokens (Schulman 2020)
-            "mismatch/kl": masked_mean(is_ratio - 1 - log_is, m),
-            "mismatch/abs_logprob_diff": masked_mean(log_is.abs(), m),
-        }
-    return loss, metrics
+        metrics = {"loss/clip_frac": masked_mean((ratio * adv > clipped * adv).float(), mask),
+                   "loss/dual_clip_frac": masked_mean(dual.float(), mask)}
+    return -surrogate, metrics
+
+
+def ppo_clip(inp: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clip (clip-higher, dual-clip): ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``, r per token."""
+    log_ratio = (inp.logprobs - inp.old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)  # (N, T)
+    return clipped_surrogate(torch.exp(log_ratio), inp.advantages, inp.mask, cfg)
+
+
+def gspo(inp: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO: the clipped surrogate on ``s = exp(mean over the row's policy tokens of log(pi / pi_old))``."""
+    m = inp.mask.to(inp.logprobs.dtype)
+    seq_log_ratio = ((inp.logprobs - inp.old_logprobs) * m).sum(-1) / m.sum(-1).clamp(min=1)  # (N,)
+    ratio = torch.exp(seq_log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))[:, None]  # (N, 1)
+    return clipped_surrogate(ratio.expand_as(inp.logprobs), inp.advantages, inp.mask, cfg)
+
+
+def cispo(inp: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO: ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi``."""
+    log_ratio = (inp.logprobs - inp.old_logprobs).detach().clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)  # (N, T)
+    ratio = torch.exp(log_ratio)  # (N, T)
+    weight = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)  # (N, T), no gradient
+    with torch.no_grad():
+        metrics = {"loss/clip_frac": masked_mean((weight != ratio).float(), inp.mask)}
+    return -weight * inp.advantages * inp.logprobs, metrics
+
+
+def pg(inp: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Plain policy gradient: ``-A * exp(log pi - sg(log pi))`` (value -A, gradient -A grad log pi)."""
+    ratio = torch.exp(inp.logprobs - inp.logprobs.detach())  # (N, T), == 1
+    return -inp.advantages * ratio, {"loss/clip_frac": torch.zeros(())}

@@ -1,7 +1,8 @@
 """``RolloutMonitor``: logs what the rollout side did during each step, and re-checks the staleness bound.
 
-Per step: samples failed / truncated / dropped (new this step and totals), generated tokens per second, the
-seconds the trainer waited for data and the share of wall time the engine had no request in flight.
+Per step: samples failed / truncated / dropped (new this step and totals), the reward over all usable samples
+(``reward/all_samples``: with a group filter, ``reward`` covers only the groups kept), generated tokens per second,
+the seconds the trainer waited for data and the share of wall time the engine had no request in flight.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ..trajectory import ConsistencyError
 
 class RolloutMonitor(L.Callback):
     COUNTERS = ("status_failed", "status_truncated", "dropped_stale_groups", "dropped_stale_samples",
-                "dropped_empty_groups", "samples")
+                "dropped_empty_groups", "dropped_filtered_groups", "dropped_filtered_samples", "samples")
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._last = time.perf_counter()
@@ -31,6 +32,10 @@ class RolloutMonitor(L.Callback):
                                    f"{pl_module.source.max_lag}")
         metrics = {f"samples/{k}": s.get(f"new/{k}", 0.0) for k in self.COUNTERS}
         metrics.update({f"samples/{k}_total": s.get(f"total/{k}", 0.0) for k in self.COUNTERS})
+        # reward over every usable sample generated for this step, the groups a group filter dropped included
+        kept_n, filtered_n = len(b.trajectories), s.get("new/dropped_filtered_samples", 0.0)
+        kept_sum = sum(t.reward for t in b.trajectories)
+        metrics["reward/all_samples"] = (kept_sum + s.get("filtered_reward_sum", 0.0)) / (kept_n + filtered_n)
         metrics.update({
             "perf/step_time_s": wall,
             "perf/trainer_idle_s": outputs["trainer_idle_s"],

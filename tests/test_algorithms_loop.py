@@ -1,0 +1,166 @@
+"""The algorithm pieces inside the loop (torch engine): every recipe in recipes/algorithms runs; the critic, the
+reference policy and dynamic sampling are wired as their algorithms need."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pandas as pd
+import pytest
+import torch
+import yaml
+from lightning.pytorch.loggers import CSVLogger
+
+from molt_lightning import rollout
+from molt_lightning.algorithms import GROUP_FILTERS, Algorithm
+from molt_lightning.engines import TorchEngine
+from molt_lightning.module import AsyncRLModule, logprobs_and_entropy
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes" / "algorithms").glob("*.yaml"))
+
+
+class Batches(L.Callback):
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append(outputs["batch"].to("cpu"))
+
+
+def fit(module, tmp_path, steps, callbacks=()):
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=CSVLogger(tmp_path, name="run"),
+                        log_every_n_steps=1, enable_checkpointing=False, callbacks=list(callbacks),
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module)
+    return pd.read_csv(f"{trainer.logger.log_dir}/metrics.csv")
+
+
+def make(algo: Algorithm, **kw):
+    args = dict(engine=TorchEngine(seed=0), group_size=4, prompts_per_step=2, max_lag=1, lr=3e-4, algo=algo)
+    return AsyncRLModule(**{**args, **kw})
+
+
+def recipe_algo(path: Path) -> Algorithm:
+    return Algorithm(**yaml.safe_load(path.read_text())["model"]["algo"])
+
+
+def test_every_family_has_a_recipe():
+    names = {p.stem for p in RECIPES}
+    assert {"grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce", "reinforce_pp", "ppo"} <= names
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipe_algorithm_trains(recipe, tmp_path, policy_path):
+    from transformers import AutoModelForCausalLM
+
+    module = make(recipe_algo(recipe))
+    df = fit(module, tmp_path, steps=2)
+    losses = torch.tensor(df["loss/total"].dropna().tolist())
+    assert losses.numel() == 2 and torch.isfinite(losses).all()
+    for name in ["loss/policy", "entropy", "is/ratio_mean", "is/masked_frac", "mismatch/kl", "reward/shaped"]:
+        assert df[name].notna().any(), name
+    before = AutoModelForCausalLM.from_pretrained(policy_path).state_dict()
+    assert any(not torch.equal(before[k], v) for k, v in module.policy.state_dict().items())
+
+
+def test_ppo_value_head_shares_the_trunk_trains_and_stays_out_of_the_engine(tmp_path):
+    module = make(Algorithm(advantage="gae", lam=0.95))
+    pushed = []
+    original = module.source.update_weights
+    module.source.update_weights = lambda state, version: (pushed.append(set(state)), original(state, version))[1]
+    df = fit(module, tmp_path, steps=3)
+    head = module.value_head
+    assert head is not None and head.weight.abs().sum() > 0  # zero-initialized, then trained
+    opt_params = {id(p) for g in module.optimizers().optimizer.param_groups for p in g["params"]}
+    assert id(head.weight) in opt_params and id(head.bias) in opt_params
+    assert all(not any(k.startswith("value_head") for k in keys) for keys in pushed)
+    assert df["loss/value"].dropna().size == 3 and df["value/mean"].dropna().abs().sum() > 0
+    assert "value_head.weight" in module.state_dict()  # checkpointed with the module
+
+
+def test_kl_reference_is_frozen_and_kl_starts_at_zero(tmp_path):
+    module = make(Algorithm(kl_coef=0.05, kl_estimator="k3"), max_lag=0)
+    df = fit(module, tmp_path, steps=3)
+    ref, pol = module.reference.state_dict(), module.policy.state_dict()
+    assert not any(p.requires_grad for p in module.reference.parameters())
+    assert any(not torch.equal(ref[k], pol[k]) for k in ref)  # the policy moved, the reference did not
+    kl = df["kl/ref"].dropna().tolist()
+    assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[-1] > 0  # policy == reference before the first update
+    opt_params = {id(p) for g in module.optimizers().optimizer.param_groups for p in g["params"]}
+    assert not any(id(p) in opt_params for p in module.reference.parameters())
+
+
+def test_dynamic_sampling_drops_zero_variance_groups_counts_them_and_refills(tmp_path):
+    batches = Batches()
+    module = make(Algorithm(group_filter="nonzero_std"))
+    df = fit(module, tmp_path, steps=3, callbacks=[batches])
+    counts = module.source.counts
+    assert counts["dropped_filtered_groups"] > 0  # the warm start answers ~15% right: most groups of 4 are all 0
+    assert counts["dropped_filtered_samples"] == 4 * counts["dropped_filtered_groups"]
+    for b in batches.seen:
+        groups = {}
+        for t in b.trajectories:
+            groups.setdefault(t.group_id, []).append(t.reward)
+        assert len(groups) == 2  # refilled: always prompts_per_step groups
+        assert all(max(r) > min(r) for r in groups.values())
+    assert (df["adv/abs_mean"].dropna() > 0).all()
+
+
+def reject_all(rewards):
+    return False
+
+
+def test_dynamic_sampling_gives_up_loudly(tmp_path, monkeypatch):
+    monkeypatch.setattr(rollout, "FILTER_PATIENCE", 1)
+    monkeypatch.setitem(GROUP_FILTERS, "reject_all", reject_all)
+    module = make(Algorithm(group_filter="reject_all"))
+    with pytest.raises(RuntimeError, match="the rollout producer died"):
+        fit(module, tmp_path, steps=1)
+    assert module.source.counts["dropped_filtered_groups"] >= 2
+
+
+@pytest.mark.parametrize("form", ["decoupled", "bypass"])
+def test_on_policy_is_ratio_is_one_in_both_forms(form, tmp_path):
+    algo = Algorithm(is_form=form, is_mode="truncate" if form == "decoupled" else "none")
+    df = fit(make(algo, max_lag=0), tmp_path, steps=2)
+    assert ((df["is/ratio_min"].dropna() - 1).abs() < 1e-3).all()
+    assert ((df["is/ratio_max"].dropna() - 1).abs() < 1e-3).all()
+    assert (df["loss/clip_frac"].dropna() == 0).all()
+
+
+def test_logprobs_and_entropy_by_hand():
+    # vocabulary of 2 with probabilities 1/4, 3/4 at temperature 2 (logits 0, 2 ln 3):
+    # entropy = -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.562335; the next token (id 1) has logprob ln 3/4
+    logits = torch.tensor([[[0.0, 2 * torch.log(torch.tensor(3.0))], [5.0, 5.0]]])  # (1, 2, V=2)
+    logprobs, entropy = logprobs_and_entropy(logits, torch.tensor([[0, 1]]), temperature=2.0, entropy_grad=False)
+    assert logprobs.item() == pytest.approx(torch.log(torch.tensor(0.75)).item(), rel=1e-6)
+    assert entropy.item() == pytest.approx(0.562335, rel=1e-5)
+
+
+def test_filtered_groups_are_counted_with_their_reward():
+    from types import SimpleNamespace
+
+    from molt_lightning.rollout import RolloutSource
+    from molt_lightning.trajectory import Trajectory
+
+    source = RolloutSource(agent=None, tasks=None, group_size=2, group_filter=GROUP_FILTERS["nonzero_std"])
+    source.engine = SimpleNamespace(take_stats=lambda: {})
+    source._reject(0, [Trajectory(0, 0, reward=1.0), Trajectory(0, 0, reward=1.0)])
+    source._reject(1, [Trajectory(1, 1, reward=-0.5), Trajectory(1, 1, reward=-0.5)])
+    stats = source.take_stats()
+    assert stats["new/dropped_filtered_groups"] == 2 and stats["new/dropped_filtered_samples"] == 4
+    assert stats["filtered_reward_sum"] == pytest.approx(2 * 1.0 + 2 * -0.5)  # since the previous call only
+    assert source.take_stats()["filtered_reward_sum"] == 0.0
+    assert source._next_prompt == 2  # both prompts are done (not retried); their slots are free for new ones
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipe_differs_from_the_default_only_in_its_algorithm(recipe):
+    """The family recipes are full copies of recipes/default.yaml (each runs on its own); keep them from drifting."""
+    default = yaml.safe_load((recipe.parents[1] / "default.yaml").read_text())
+    this = yaml.safe_load(recipe.read_text())
+    for cfg in (default, this):
+        cfg["model"].pop("algo")
+        cfg["trainer"]["logger"]["init_args"].pop("name")
+    assert this == default
