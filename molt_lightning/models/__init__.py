@@ -1,0 +1,1 @@
+"""The embedded default policy, made offline by code (no hub downloads)."""
