@@ -12,4 +12,4 @@ test: setup
 	.venv/bin/python -m pytest -q -ra
 
 bench: setup
-	.venv/bin/python benchmarks/run_all.py
+	.venv/bin/python benchmarks/loop_overlap.py
