@@ -117,7 +117,9 @@ def _in_flight_update(engine, prompts, weights, policy_path):
         for version, state in [(10, w0), (11, w1)]:
             sel = torch.tensor([v == version for v in o.versions])
             ref = teacher_forced(policy_path, state, p, o.token_ids, 1.0)
-            assert torch.allclose(lp[sel], ref[sel], atol=1e-4), f"tokens of version {version} disagree"
+            # 1e-3: the context runs to ~140 tokens under strongly perturbed weights, where float32 batched and
+            # single-sequence forwards drift apart by ~1e-4; the stale-KV error this catches is 1e-1 or more
+            assert torch.allclose(lp[sel], ref[sel], atol=1e-3), f"tokens of version {version} disagree"
 
 
 def test_torch_engine_in_flight_update(torch_engine, prompts, weights, policy_path):
