@@ -41,3 +41,16 @@ def test_sync_cadence_that_would_stall_is_refused(tmp_path):
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError, match="every_n_steps <= max_lag \\+ 1"):
         trainer.fit(module)
+
+
+def test_a_sync_that_never_pushes_fails_loudly_instead_of_hanging(tmp_path):
+    class SilentSync(WeightSync):  # a user's replacement that forgot to push after the optimizer step
+        def on_train_batch_end(self, *args):
+            pass
+
+    module = AsyncRLModule(engine=TorchEngine(), group_size=2, prompts_per_step=2, max_lag=1)
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", logger=False, callbacks=[SilentSync()],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(RuntimeError, match="engine serves policy version 0 but the trainer is at 2"):
+        trainer.fit(module)
+    assert trainer.global_step == 2  # versions 0 and 1 may still train on version-0 samples (max_lag=1)

@@ -123,10 +123,13 @@ def test_end_to_end_changes_parameters_and_logs_every_metric(engine, tmp_path, p
     assert (tmp_path / "run" / "version_0" / "reward.png").exists()
 
 
-def test_resume_continues_at_saved_step_and_version(tmp_path):
+def test_resume_continues_at_saved_step_and_version(engine, tmp_path):
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
-    first = make(TorchEngine(seed=0), max_lag=1)
+    first = make(engine, max_lag=1)
     fit(first, tmp_path, steps=3, callbacks=[ckpt])
+    if not isinstance(engine, TorchEngine):  # the shared vLLM engine: leave it serving other weights and version 0
+        engine.call(engine.update_weights({k: v * 0.5 for k, v in first.policy.state_dict().items()
+                                           if k != "lm_head.weight"}, 0))
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
     assert saved["global_step"] == 3 and saved["molt"]["policy_version"] == 3
     assert saved["molt"]["rollout"]["consumed_batches"] == 3 and saved["molt"]["rollout"]["next_prompt"] > 0
@@ -141,7 +144,7 @@ def test_resume_continues_at_saved_step_and_version(tmp_path):
             self.next_prompt = pl_module.source.state_dict()["next_prompt"]
 
     at_start, batches = AtStart(), Batches()
-    second = make(TorchEngine(seed=0), max_lag=1)
+    second = make(TorchEngine(seed=0) if isinstance(engine, TorchEngine) else engine, max_lag=1)
     trainer, df = fit(second, tmp_path, steps=5, callbacks=[at_start, batches],
                       ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"), name="resumed")
     assert at_start.step == 3 and at_start.engine_version == 3 and at_start.weights_equal
