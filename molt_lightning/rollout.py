@@ -129,7 +129,7 @@ class RolloutSource:
     # ----- consumer (trainer thread) -----
     def next_batch(self, trainer_version: int) -> list[Trajectory]:
         """Block until ``prompts_per_step`` usable groups no older than ``max_lag`` are ready; return their samples."""
-        if self.engine.version < trainer_version - self.max_lag:  # only the trainer thread pushes: it would wait forever
+        if self.engine.version < trainer_version - self.max_lag:  # only the trainer pushes: waiting = forever
             raise RuntimeError(
                 f"the engine serves policy version {self.engine.version} but the trainer is at {trainer_version}: "
                 f"with max_lag={self.max_lag} nothing it generates could be trained on. Push weights at least every "
