@@ -1,7 +1,8 @@
 """``molt``: the command line, LightningCLI over ``AsyncRLModule`` (``molt fit --config recipes/X.yaml``).
 
 Every Trainer flag works (``--trainer.max_steps 3``). vLLM is imported only when an engine starts, so ``--help``
-answers at once.
+answers at once. The progress bar counts optimizer steps (``StepProgressBar``) unless the recipe brings its own or
+``--trainer.enable_progress_bar false``.
 """
 
 from __future__ import annotations
@@ -10,11 +11,22 @@ import sys
 
 
 def main(args: list[str] | None = None) -> None:
+    from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.cli import LightningCLI
 
+    from .callbacks import StepProgressBar
     from .module import AsyncRLModule
 
-    LightningCLI(
+    class MoltCLI(LightningCLI):
+        def instantiate_trainer(self, **kwargs):
+            trainer = self._get(self.config_init, "trainer", default={})
+            callbacks = list(trainer.get("callbacks") or [])
+            if trainer.get("enable_progress_bar") is not False \
+                    and not any(isinstance(c, ProgressBar) for c in callbacks):
+                kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+            return super().instantiate_trainer(**kwargs)
+
+    MoltCLI(
         AsyncRLModule,
         save_config_kwargs={"overwrite": True},
         args=args,

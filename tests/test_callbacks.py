@@ -6,7 +6,7 @@ import lightning as L
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
-from molt_lightning.callbacks import RolloutSamples, WeightSync
+from molt_lightning.callbacks import RolloutSamples, StepProgressBar, WeightSync
 from molt_lightning.engines import TorchEngine
 from molt_lightning.module import AsyncRLModule
 
@@ -54,3 +54,14 @@ def test_a_sync_that_never_pushes_fails_loudly_instead_of_hanging(tmp_path):
     with pytest.raises(RuntimeError, match="engine serves policy version 0 but the trainer is at 2"):
         trainer.fit(module)
     assert trainer.global_step == 2  # versions 0 and 1 may still train on version-0 samples (max_lag=1)
+
+
+def test_progress_bar_shows_step_reward_and_lag(tmp_path):
+    bar = StepProgressBar()
+    module = AsyncRLModule(engine=TorchEngine(), group_size=2, prompts_per_step=2, max_lag=1)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=CSVLogger(tmp_path), callbacks=[bar],
+                        enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(module)
+    assert trainer.progress_bar_callback is bar and bar._get_train_description(trainer.current_epoch) == "Step"
+    shown = bar.get_metrics(trainer, module)
+    assert {"reward", "lag"} <= set(shown) and "v_num" not in shown

@@ -2,7 +2,8 @@
 
 from .monitor import RolloutMonitor
 from .plot import RewardPlot
+from .progress import StepProgressBar
 from .samples import RolloutSamples
 from .weight_sync import WeightSync
 
-__all__ = ["RewardPlot", "RolloutMonitor", "RolloutSamples", "WeightSync"]
+__all__ = ["RewardPlot", "RolloutMonitor", "RolloutSamples", "StepProgressBar", "WeightSync"]
