@@ -41,12 +41,18 @@ def generate_all(engine, prompts, sampling):
     return engine.call(_all())
 
 
-def teacher_forced(policy_path, state, prompt, tokens, temperature):
-    """Logprob of each generated token under ``state`` at ``temperature``, from a plain HF forward pass."""
+@pytest.fixture(scope="module")
+def hf_model(policy_path):
+    """One plain HF copy of the policy; ``teacher_forced`` loads each state into it (every weight is replaced)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).eval()
-    model.load_state_dict(state, strict=False)
+    return AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32).eval()
+
+
+def teacher_forced(model, state, prompt, tokens, temperature):
+    """Logprob of each generated token under ``state`` at ``temperature``, from a plain HF forward pass."""
+    result = model.load_state_dict(state, strict=False)
+    assert set(result.missing_keys) <= {"lm_head.weight"} and not result.unexpected_keys  # tied to the embeddings
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1: -1].double() / (temperature or 1.0)
@@ -58,11 +64,11 @@ def perturbed(state, scale, seed):
     return {k: v + scale * torch.randn(v.shape, generator=g) * v.std().clamp(min=1e-3) for k, v in state.items()}
 
 
-def test_torch_engine_matches_teacher_forcing_when_sampling(torch_engine, prompts, weights, policy_path):
+def test_torch_engine_matches_teacher_forcing_when_sampling(torch_engine, prompts, weights, hf_model):
     outs = generate_all(torch_engine, prompts, Sampling(max_tokens=12, temperature=0.7))
     for p, o in zip(prompts, outs):
         assert len(o.token_ids) == len(o.logprobs) == len(o.versions) > 0 and set(o.versions) == {0}
-        ref = teacher_forced(policy_path, weights, p, o.token_ids, 0.7)
+        ref = teacher_forced(hf_model, weights, p, o.token_ids, 0.7)
         assert torch.allclose(torch.tensor(o.logprobs, dtype=torch.float64), ref, atol=1e-4)
 
 
@@ -85,15 +91,15 @@ def test_vllm_and_torch_engines_agree_before_and_after_update(vllm_engine, torch
 
 
 @pytest.mark.slow
-def test_vllm_sampled_logprobs_are_the_processed_ones(vllm_engine, prompts, weights, policy_path):
+def test_vllm_sampled_logprobs_are_the_processed_ones(vllm_engine, prompts, weights, hf_model):
     vllm_engine.call(vllm_engine.update_weights(weights, 0))
     outs = generate_all(vllm_engine, prompts, Sampling(max_tokens=12, temperature=0.7))
     for p, o in zip(prompts, outs):
-        ref = teacher_forced(policy_path, weights, p, o.token_ids, 0.7)
+        ref = teacher_forced(hf_model, weights, p, o.token_ids, 0.7)
         assert torch.allclose(torch.tensor(o.logprobs, dtype=torch.float64), ref, atol=1e-4)
 
 
-def _in_flight_update(engine, prompts, weights, policy_path):
+def _in_flight_update(engine, prompts, weights, hf_model):
     """Requests in flight across an update: each token's logprob is that of the weights its version names."""
     w0, w1 = weights, perturbed(weights, 0.3, seed=3)
     long = Sampling(max_tokens=120, temperature=1.0, ignore_eos=True)
@@ -116,19 +122,19 @@ def _in_flight_update(engine, prompts, weights, policy_path):
         lp = torch.tensor(o.logprobs, dtype=torch.float64)
         for version, state in [(10, w0), (11, w1)]:
             sel = torch.tensor([v == version for v in o.versions])
-            ref = teacher_forced(policy_path, state, p, o.token_ids, 1.0)
+            ref = teacher_forced(hf_model, state, p, o.token_ids, 1.0)
             # 1e-3: the context runs to ~140 tokens under strongly perturbed weights, where float32 batched and
             # single-sequence forwards drift apart by ~1e-4; the stale-KV error this catches is 1e-1 or more
             assert torch.allclose(lp[sel], ref[sel], atol=1e-3), f"tokens of version {version} disagree"
 
 
-def test_torch_engine_in_flight_update(torch_engine, prompts, weights, policy_path):
-    _in_flight_update(torch_engine, prompts, weights, policy_path)
+def test_torch_engine_in_flight_update(torch_engine, prompts, weights, hf_model):
+    _in_flight_update(torch_engine, prompts, weights, hf_model)
 
 
 @pytest.mark.slow
-def test_vllm_engine_in_flight_update(vllm_engine, prompts, weights, policy_path):
-    _in_flight_update(vllm_engine, prompts, weights, policy_path)
+def test_vllm_engine_in_flight_update(vllm_engine, prompts, weights, hf_model):
+    _in_flight_update(vllm_engine, prompts, weights, hf_model)
 
 
 def test_engine_refuses_a_second_model(torch_engine, tmp_path):

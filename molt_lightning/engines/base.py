@@ -40,7 +40,7 @@ class Sampling:
 
 
 class RolloutEngine(ABC):
-    """Base class: subclasses implement ``start``, ``_generate``, ``_load_weights``, ``shutdown``."""
+    """Subclasses implement ``start``, ``_generate``, ``_load_weights``, ``shutdown``, ``pause``, ``resume``."""
 
     def __init__(self) -> None:
         self.version = 0
