@@ -58,11 +58,11 @@ def compare_runsets(path_a, path_b, metrics: list[str] | None = None, *, by: str
     metrics = metrics or list(a.protocol.get("metrics", {}))
     if not metrics:
         raise ProtocolError("no metric to compare: the protocol lists none; pass --metric")
+    frames = [(s, "A", f) for s, f in a.frames.items()] + [(s, "B", f) for s, f in b.frames.items()]
     results = []
     for metric in metrics:
         spec = resolve_spec(metric, a, goal, margin)
         summ = summary or spec.summary
-        frames = [(s, "A", f) for s, f in a.frames.items()] + [(s, "B", f) for s, f in b.frames.items()]
         upto = summaries.horizon([f for _, _, f in frames], metric, by)
         vals = {"A": {}, "B": {}}
         ttt = {"A": {}, "B": {}}

@@ -54,8 +54,9 @@ STEP_CANDIDATES = ("step", "_step", "global_step", "Step", "train/global_step", 
 WALL_CANDIDATES = ("_timestamp", "timestamp", "time", "wall_time")
 
 
-def read_lightning_csv(path: Path) -> list[tuple[str, pd.DataFrame]]:
-    """``CSVLogger``'s ``metrics.csv`` (a ``lightning_logs/version_N`` folder or the file itself)."""
+def read_lightning_csv(path: Path, step_key: str | None = None) -> list[tuple[str, pd.DataFrame]]:
+    """``CSVLogger``'s ``metrics.csv`` (a ``lightning_logs/version_N`` folder or the file itself). ``step_key`` is
+    accepted like every reader's and unused: the step is Lightning's own ``step`` column."""
     path = Path(path)
     if path.is_dir():
         found = sorted(path.rglob("metrics.csv"))
@@ -154,13 +155,11 @@ def guess_format(path: Path) -> str:
 
 
 def read(path: Path, fmt: str | None = None, step_key: str | None = None) -> list[tuple[str, pd.DataFrame]]:
+    if not Path(path).exists():
+        raise RunSetError(f"{path}: no such file or folder")
     fmt = fmt or guess_format(path)
     if fmt not in READERS:
         raise RunSetError(f"unknown format {fmt!r}: use one of {sorted(READERS)}")
-    if not Path(path).exists():
-        raise RunSetError(f"{path}: no such file or folder")
-    if fmt == "lightning-csv":
-        return read_lightning_csv(path)
     return READERS[fmt](path, step_key)
 
 

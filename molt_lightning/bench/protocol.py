@@ -111,7 +111,7 @@ class Protocol:
         return str(self.data.get("name", Path(self.source).stem))
 
     def matched(self) -> dict:
-        return {k: v for k, v in self.data.items() if k not in UNMATCHED}
+        return _m(self.data)
 
     @property
     def fingerprint(self) -> str:
@@ -200,8 +200,7 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 def diff(a: dict, b: dict) -> list[tuple[str, Any, Any]]:
     """Matched fields whose values differ: (dotted path, value in a, value in b); missing is ``<absent>``."""
-    fa = flatten({k: v for k, v in a.items() if k not in UNMATCHED})
-    fb = flatten({k: v for k, v in b.items() if k not in UNMATCHED})
+    fa, fb = flatten(_m(a)), flatten(_m(b))
     return [(k, fa.get(k, "<absent>"), fb.get(k, "<absent>")) for k in sorted(set(fa) | set(fb))
             if fa.get(k, "<absent>") != fb.get(k, "<absent>")]
 

@@ -25,12 +25,17 @@ def _safe(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)
 
 
-def plot_curves(a: RunSet, b: RunSet, r: MetricResult, path: Path) -> None:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_curves(a: RunSet, b: RunSet, r: MetricResult, path: Path) -> None:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for (rs, label), color in zip(((a, "A"), (b, "B")), COLORS):
         frames = list(rs.frames.values())
@@ -52,24 +57,14 @@ def plot_curves(a: RunSet, b: RunSet, r: MetricResult, path: Path) -> None:
 
 
 def plot_seeds(a: RunSet, b: RunSet, r: MetricResult, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    c = r.result
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(4.2, 3.8))
     rng = np.random.default_rng(0)
-    for i, (vals, mean, sd, n, color) in enumerate(((r.values_a, c.mean_a, c.sd_a, c.n_a, COLORS[0]),
-                                                     (r.values_b, c.mean_b, c.sd_b, c.n_b, COLORS[1]))):
+    for i, (vals, color) in enumerate(((r.values_a, COLORS[0]), (r.values_b, COLORS[1]))):
         v = np.array(list(vals.values()))
         ax.scatter(i + rng.uniform(-0.08, 0.08, v.size), v, color=color, s=22, zorder=3)
-        half = 0.0
-        if n > 1:
-            from scipy import stats as st
-
-            half = st.t.ppf(1 - c.alpha / 2, n - 1) * sd / np.sqrt(n)
-        ax.errorbar(i + 0.25, mean, yerr=half, fmt="s", color="black", capsize=4, ms=5)
+        mean, low, high = summaries.band(v, r.result.alpha)
+        ax.errorbar(i + 0.25, mean, yerr=high - mean, fmt="s", color="black", capsize=4, ms=5)
     ax.set_xticks([0, 1], [f"A\n{a.label}", f"B\n{b.label}"], fontsize=8)
     ax.set(ylabel=f"{r.spec.name} ({r.summary})", title="per-seed values, mean and 95% CI")
     ax.grid(axis="y", alpha=0.3)

@@ -13,6 +13,7 @@ names onto the protocol's, and records the protocol the user says those runs fol
 
 from __future__ import annotations
 
+import json
 import time
 import traceback
 from pathlib import Path
@@ -31,8 +32,9 @@ def run(protocol: Protocol, stack_name: str, n_seeds: int | None, out: Path, opt
     seeds = effective.seeds(n_seeds)
     out = Path(out)
     manifest = _start_manifest(out, effective, stack_name, options)
-    manifest.update({"stack_notes": stack.notes, "stack_config": stack.describe(options),
-                     "stack_changes": stack.changes, "source": {"kind": "run"}})
+    manifest.update({"environment": runs.environment(), "stack_notes": stack.notes,
+                     "stack_config": stack.describe(options), "stack_changes": stack.changes,
+                     "source": {"kind": "run"}})
     failed = []
     for seed in seeds:
         done = manifest["seeds"].get(str(seed), {})
@@ -73,8 +75,8 @@ def import_runs(sources: list[Path], protocol: Protocol, stack: str, out: Path, 
                          "pass one --seed-ids value per run")
     out = Path(out)
     manifest = _start_manifest(out, protocol, stack, {"devices": devices}, fresh=True)
-    manifest["environment"] = {"imported_on": manifest.pop("environment")}  # where the import ran, not the runs
-    manifest.update({"label": label, "source": {
+    here = runs.environment(probe_accelerator=False)  # where the import ran, not the runs
+    manifest.update({"environment": {"imported_on": here}, "label": label, "source": {
         "kind": "import", "format": fmt or "auto", "source_stack": stack, "column_map": spec["columns"],
         "step_base": spec["step_base"], "devices": devices, "files": [str(s) for s in sources]}})
     for seed, (src, name, raw) in zip(seeds, found):
@@ -90,13 +92,13 @@ def import_runs(sources: list[Path], protocol: Protocol, stack: str, out: Path, 
 
 
 def _start_manifest(out: Path, protocol: Protocol, stack: str, options: dict, fresh: bool = False) -> dict:
+    """The manifest less its environment (the caller adds that once this has not refused); the seeds of a run set
+    ``out`` already holds with the same stack and protocol are kept, unless ``fresh`` (import) refuses any."""
     manifest = {"molt_bench": 1, "stack": stack, "options": options, "protocol_name": protocol.name,
                 "protocol_file": protocol.source, "protocol": protocol.data, "fingerprint": protocol.fingerprint,
-                "environment": runs.environment(probe_accelerator=not fresh), "seeds": {}}
+                "seeds": {}}
     existing = out / runs.MANIFEST
     if existing.exists():
-        import json
-
         old = json.loads(existing.read_text())
         same = old.get("fingerprint") == protocol.fingerprint and old.get("stack") == stack
         if fresh or not same:

@@ -178,5 +178,4 @@ def normalise(raw: pd.DataFrame, columns: dict[str, str], samples_per_step: int,
     used = {src for name, src in source_of.items() if name != "samples_per_step"} | {"__step", "__wall"}
     extra = [c for c in df.columns if c not in used and c not in out and pd.api.types.is_numeric_dtype(df[c])]
     out = pd.concat([out, df[extra].reset_index(drop=True)], axis=1)
-    front = ["step", "samples", "wall_s"]
-    return out[front + [c for c in out.columns if c not in front]]
+    return out[list(AXES) + [c for c in out.columns if c not in AXES]]

@@ -171,16 +171,15 @@ def verdict(diff: float, welch_p: float, tost_p: float, goal: str, margin: float
             n_needed: int, deterministic: bool = False) -> tuple[str, str]:
     """The rule in the module docstring, as (kind, line)."""
     d = f"{margin:.4g}"
+    better = "A better" if (diff > 0) == (goal == "max") else "B better"
     if deterministic:  # no seed-to-seed variation: no test is defined, compare directly
         if abs(diff) < margin:
             return "comparable", f"comparable within +-{d} (no variation between seeds)"
-        kind = "A better" if (diff > 0) == (goal == "max") else "B better"
-        return kind, f"{kind} (no variation between seeds)"
+        return better, f"{better} (no variation between seeds)"
     if tost_p < alpha:
         return "comparable", f"comparable within +-{d}"
     if welch_p < alpha:
-        kind = "A better" if (diff > 0) == (goal == "max") else "B better"
-        return kind, kind
+        return better, better
     many = "more than 10000" if n_needed >= MAX_SEEDS else f"about {n_needed}"
     return "inconclusive", f"inconclusive: {many} seeds per side needed"
 

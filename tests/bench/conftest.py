@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def write_runset(root: Path, name: str, finals: list[float], protocol: dict, stack: str = "synthetic",

@@ -138,6 +138,11 @@ def test_custom_map_and_clear_errors(tmp_path, smoke_protocol):
         runner.import_runs([path], type("P", (), {})(), "custom", tmp_path / "x", maps=["reward=score"], seeds=[0, 1])
 
 
+def test_a_missing_source_is_a_clear_error(tmp_path):
+    with pytest.raises(RunSetError, match="missing.csv: no such file or folder"):
+        importers.read(tmp_path / "missing.csv")  # not a FileNotFoundError from the format guess
+
+
 def test_imported_runs_compare_through_the_cli(tmp_path, smoke_protocol, capsys):
     """Two imported stacks, one from TensorBoard and one from JSONL, compared end to end with a report."""
     from torch.utils.tensorboard import SummaryWriter

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -15,7 +14,6 @@ from molt_lightning.bench.protocol import ProtocolError, load_protocol
 from molt_lightning.bench.runs import load_runset
 
 pytestmark = pytest.mark.timeout(600)
-os.environ.setdefault("MOLT_CACHE", os.path.expanduser("~/.cache/molt-lightning"))
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import logging
 import warnings
 from pathlib import Path
 
-from . import unsupported
+from . import check_supported, unsupported
 
 SUPPORTED = {
     "optimizer.name": ("adamw",), "optimizer.schedule": ("constant",), "optimizer.betas": ([0.9, 0.999],),
@@ -30,10 +30,7 @@ IMPLIED = {"updates_per_batch": (1,), "kl_coef": (0, 0.0)}
 def check(protocol) -> None:
     from ...algorithms import Algorithm
 
-    for dotted, ok in SUPPORTED.items():
-        value = protocol.get(dotted)
-        if value not in ok:
-            raise unsupported("molt", dotted, value, list(ok))
+    check_supported("molt", protocol, SUPPORTED)
     fields = {f.name for f in dataclasses.fields(Algorithm)}
     for key, value in protocol.data["algorithm"].items():
         if key in fields:
@@ -55,6 +52,7 @@ def describe(options: dict) -> dict:
 
 
 def dotted(path: str):
+    """The object at a dotted path (not ``registry.resolve``: its errors would list an empty registry)."""
     module, _, attr = path.rpartition(".")
     try:
         return getattr(importlib.import_module(module), attr)

@@ -33,7 +33,7 @@ import os
 import time
 from pathlib import Path
 
-from . import unsupported
+from . import check_supported, unsupported
 from .molt import dotted
 
 SUPPORTED = {"optimizer.name": ("adamw",), "optimizer.schedule": ("constant",), "sampling.top_p": (1.0, 1),
@@ -58,10 +58,7 @@ def _trl():
 
 def check(protocol) -> None:
     _trl()
-    for dotted_name, ok in SUPPORTED.items():
-        value = protocol.get(dotted_name)
-        if value not in ok:
-            raise unsupported("trl", dotted_name, value, list(ok))
+    check_supported("trl", protocol, SUPPORTED)
     algo = protocol.data["algorithm"]
     extra = sorted(set(algo) - MAPPED)
     if extra:
@@ -88,15 +85,13 @@ class _Rollouts:
         self.temperature = float(protocol.get("sampling.temperature"))
         self.template = ChatTemplate(tokenizer)
         self.by_question = {s["question"]: s for s in samples}
-        self.loop = asyncio.new_event_loop()
         self.engine = TorchEngine(seed=seed, dtype=protocol.data["model"].get("dtype", "float32"))
-        self.loop.run_until_complete(self.engine.start(model_path))
+        self.engine.launch(model_path)
         self.max_context = self.engine.model.config.max_position_embeddings
         self.tokens = 0  # policy tokens generated since the last read
 
     def close(self) -> None:
-        self.loop.run_until_complete(self.engine.shutdown())
-        self.loop.close()
+        self.engine.release()
 
     async def _one(self, prompt):
         from ...client import AgentClient
@@ -117,13 +112,13 @@ class _Rollouts:
 
         model = trainer.accelerator.unwrap_model(trainer.model)
         state = {k: v.detach() for k, v in model.state_dict().items()}
-        self.loop.run_until_complete(self.engine.update_weights(state, trainer.state.global_step))
+        self.engine.call(self.engine.update_weights(state, trainer.state.global_step))
 
         async def _all():
             return await asyncio.gather(*[self._one(p) for p in prompts])
 
         out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "agent_reward": []}
-        for traj, reward in self.loop.run_until_complete(_all()):
+        for traj, reward in self.engine.call(_all()):
             if len(traj.segments) != 1 or not traj.segments[0] or traj.segments[0][0].kind != Kind.PROMPT:
                 raise RuntimeError("the trl stack needs agents whose trajectory is one token sequence starting with "
                                    "the prompt (no history rewrites); this agent produced another shape")
