@@ -214,7 +214,7 @@ class AsyncRLModule(L.LightningModule):
         if self.reference is None:
             return None
         logits = self.reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()).logits
-        return logprobs_and_entropy(logits, batch.input_ids, self.source.temperature, entropy_grad=False)[0]
+        return token_logprobs(logits, batch.input_ids, self.source.temperature)
 
     # ----- checkpoints -----
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -231,11 +231,21 @@ class PolicyOutputs:
     values: torch.Tensor | None  # (N, T-1) value head predictions, or None without a critic
 
 
-def logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, entropy_grad: bool):
-    """Next-token logprobs and full-distribution entropies at ``temperature``, both (N, T-1)."""
+def _tempered_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float):
+    """The logits at ``temperature`` (N, T-1, V), their log-normalizer and the next tokens' logprobs (N, T-1)."""
     z = logits[:, :-1].float() / temperature  # (N, T-1, V)
     log_z = torch.logsumexp(z, dim=-1)  # (N, T-1)
-    logprobs = z.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - log_z  # (N, T-1)
+    return z, log_z, z.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - log_z
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Next-token logprobs at ``temperature``, (N, T-1), without the entropy (the reference policy's pass)."""
+    return _tempered_logprobs(logits, input_ids, temperature)[2]
+
+
+def logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, entropy_grad: bool):
+    """Next-token logprobs and full-distribution entropies at ``temperature``, both (N, T-1)."""
+    z, log_z, logprobs = _tempered_logprobs(logits, input_ids, temperature)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = log_z - (torch.softmax(z, dim=-1) * z).sum(-1)  # (N, T-1)
     return logprobs, entropy

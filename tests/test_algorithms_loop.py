@@ -5,40 +5,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import lightning as L
-import pandas as pd
 import pytest
 import torch
 import yaml
-from lightning.pytorch.loggers import CSVLogger
+from test_loop import Batches
+from test_loop import fit as fit_loop
+from test_loop import make as make_loop
 
 from molt_lightning import rollout
 from molt_lightning.algorithms import GROUP_FILTERS, Algorithm
 from molt_lightning.engines import TorchEngine
-from molt_lightning.module import AsyncRLModule, logprobs_and_entropy
+from molt_lightning.module import logprobs_and_entropy, token_logprobs
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes" / "algorithms").glob("*.yaml"))
 
 
-class Batches(L.Callback):
-    def __init__(self):
-        self.seen = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.seen.append(outputs["batch"].to("cpu"))
-
-
 def fit(module, tmp_path, steps, callbacks=()):
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=CSVLogger(tmp_path, name="run"),
-                        log_every_n_steps=1, enable_checkpointing=False, callbacks=list(callbacks),
-                        enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module)
-    return pd.read_csv(f"{trainer.logger.log_dir}/metrics.csv")
+    """test_loop's ``fit``, returning only the logged metrics."""
+    return fit_loop(module, tmp_path, steps, callbacks)[1]
 
 
 def make(algo: Algorithm, **kw):
-    args = dict(engine=TorchEngine(seed=0), group_size=4, prompts_per_step=2, max_lag=1, lr=3e-4, algo=algo)
-    return AsyncRLModule(**{**args, **kw})
+    return make_loop(TorchEngine(seed=0), **{"prompts_per_step": 2, "algo": algo, **kw})
 
 
 def recipe_algo(path: Path) -> Algorithm:
@@ -98,7 +86,7 @@ def test_dynamic_sampling_drops_zero_variance_groups_counts_them_and_refills(tmp
     counts = module.source.counts
     assert counts["dropped_filtered_groups"] > 0  # the warm start answers ~15% right: most groups of 4 are all 0
     assert counts["dropped_filtered_samples"] == 4 * counts["dropped_filtered_groups"]
-    for b in batches.seen:
+    for _, b in batches.seen:  # (policy version, batch)
         groups = {}
         for t in b.trajectories:
             groups.setdefault(t.group_id, []).append(t.reward)
@@ -136,6 +124,7 @@ def test_logprobs_and_entropy_by_hand():
     logprobs, entropy = logprobs_and_entropy(logits, torch.tensor([[0, 1]]), temperature=2.0, entropy_grad=False)
     assert logprobs.item() == pytest.approx(torch.log(torch.tensor(0.75)).item(), rel=1e-6)
     assert entropy.item() == pytest.approx(0.562335, rel=1e-5)
+    assert torch.equal(token_logprobs(logits, torch.tensor([[0, 1]]), temperature=2.0), logprobs)  # the reference's
 
 
 def test_filtered_groups_are_counted_with_their_reward():

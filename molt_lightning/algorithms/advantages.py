@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from .losses import masked_mean
 
 
 @dataclass
@@ -71,7 +73,7 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
     """(x - mean) / (std + eps) over the masked entries (unbiased std), 0 off the mask."""
     m = mask.to(x.dtype)
     n = m.sum()
-    mean = (x * m).sum() / n.clamp(min=1)
+    mean = masked_mean(x, mask)
     std = (((x - mean) ** 2 * m).sum() / (n - 1).clamp(min=1)).sqrt()
     return (x - mean) / (std + eps) * m
 
@@ -114,8 +116,7 @@ def reinforce_pp(inp: AdvantageInputs, cfg) -> Advantages:
 def reinforce_pp_baseline(inp: AdvantageInputs, cfg) -> Advantages:
     """REINFORCE++ with the group mean subtracted before the batch normalization."""
     mean, _, _ = group_stats(inp.rewards, inp.group_ids)  # (M,)
-    centred = (inp.rewards - mean)[inp.traj_ids][:, None].expand(inp.mask.shape)  # (N, T)
-    return Advantages(whiten(centred, inp.mask, cfg.eps))
+    return reinforce_pp(replace(inp, rewards=inp.rewards - mean), cfg)
 
 
 def gae(inp: AdvantageInputs, cfg) -> Advantages:

@@ -51,7 +51,7 @@ def sequence(log_r: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def geometric(log_r: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (log_r.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(log_r)  # (N, T)
+    return masked_mean(log_r, mask, dim=-1, keepdim=True).expand_as(log_r)  # (N, T)
 
 
 # ----- modes: ratio (N, T) -> (weight, clamped, zeroed), each (N, T) -----
@@ -96,16 +96,15 @@ def off_policy(prox: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor, cfg
     level = resolve(cfg.is_level, IS_LEVELS, "is_level")
     ratio = torch.exp(level(log_r, mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))  # (N, T)
     weight, clamped, zeroed = resolve(cfg.is_mode, IS_MODES, "is_mode")(ratio, cfg)  # (N, T) each
-    on = mask.bool()
     token_r = torch.exp(log_r)  # (N, T)
     metrics = {
-        "is/ratio_mean": masked_mean(ratio, on),
-        "is/ratio_min": ratio[on].min() if on.any() else torch.tensor(1.0),
-        "is/ratio_max": ratio[on].max() if on.any() else torch.tensor(1.0),
-        "is/truncated_frac": masked_mean(clamped.float(), on),
-        "is/masked_frac": masked_mean(zeroed.float(), on),
-        "mismatch/kl": masked_mean(token_r - 1 - log_r, on),  # k3 of KL(engine || trainer), Schulman 2020
-        "mismatch/abs_logprob_diff": masked_mean(log_r.abs(), on),
+        "is/ratio_mean": masked_mean(ratio, mask),
+        "is/ratio_min": ratio[mask].min() if mask.any() else torch.tensor(1.0),
+        "is/ratio_max": ratio[mask].max() if mask.any() else torch.tensor(1.0),
+        "is/truncated_frac": masked_mean(clamped.float(), mask),
+        "is/masked_frac": masked_mean(zeroed.float(), mask),
+        "mismatch/kl": masked_mean(token_r - 1 - log_r, mask),  # k3 of KL(engine || trainer), Schulman 2020
+        "mismatch/abs_logprob_diff": masked_mean(log_r.abs(), mask),
     }
     old = resolve(cfg.is_form, IS_FORMS, "is_form")(prox, engine)  # (N, T)
-    return Correction(old, torch.where(on, weight, 0.0), metrics)
+    return Correction(old, torch.where(mask, weight, 0.0), metrics)

@@ -43,9 +43,10 @@ class LossInputs:
     returns: torch.Tensor | None = None  # value head targets (critic estimators only)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``x`` over the masked entries; 0 when nothing is masked in."""
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """Mean of ``x`` over the entries where the bool ``mask`` is set, over all of them or along ``dim``; 0 where
+    nothing is masked in. Entries off the mask never enter the sum, so a NaN or inf there does not leak."""
+    return torch.where(mask, x, 0.0).sum(dim, keepdim=keepdim) / mask.sum(dim, keepdim=keepdim).clamp(min=1)
 
 
 def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg):
@@ -68,8 +69,7 @@ def ppo_clip(inp: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor
 
 def gspo(inp: LossInputs, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: the clipped surrogate on ``s = exp(mean over the row's policy tokens of log(pi / pi_old))``."""
-    m = inp.mask.to(inp.logprobs.dtype)
-    seq_log_ratio = ((inp.logprobs - inp.old_logprobs) * m).sum(-1) / m.sum(-1).clamp(min=1)  # (N,)
+    seq_log_ratio = masked_mean(inp.logprobs - inp.old_logprobs, inp.mask, dim=-1)  # (N,)
     ratio = torch.exp(seq_log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))[:, None]  # (N, 1)
     return clipped_surrogate(ratio.expand_as(inp.logprobs), inp.advantages, inp.mask, cfg)
 

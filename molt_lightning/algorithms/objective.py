@@ -31,11 +31,11 @@ def _rows(mask: torch.Tensor) -> torch.Tensor:
 
 
 def token_mean(x: torch.Tensor, mask: torch.Tensor, cfg) -> torch.Tensor:
-    return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
+    return masked_mean(x, mask)
 
 
 def seq_mean_token_mean(x: torch.Tensor, mask: torch.Tensor, cfg) -> torch.Tensor:
-    per_row = torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)  # (N,)
+    per_row = masked_mean(x, mask, dim=-1)  # (N,)
     return per_row.sum() / _rows(mask)
 
 
