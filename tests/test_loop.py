@@ -32,7 +32,7 @@ class Batches(L.Callback):
         self.seen = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.seen.append((trainer.global_step - 1, outputs["batch"].to("cpu")))
+        self.seen.append((pl_module.policy_version - 1, outputs["batch"].to("cpu")))
 
 
 def fit(module, tmp_path, steps, callbacks=(), ckpt_path=None, name="run"):
@@ -112,13 +112,32 @@ def test_max_lag_zero_is_exactly_on_policy(engine, tmp_path):
         assert set(b.versions[b.loss_mask].tolist()) == {version}
 
 
+def test_several_updates_per_batch_keep_the_lag_bound_and_exact_sync(tmp_path):
+    """PPO epochs x mini-batches: 4 optimizer steps per batch, one weight push per batch; the version counts pushes,
+    admission and the lag bound work in versions, and the PPO clip is active (the ratio leaves 1 after the first)."""
+    pushed = []
+
+    class Pushes(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            pushed.append((pl_module.policy_version, pl_module.engine.version, trainer.global_step))
+
+    batches = Batches()
+    module = make(TorchEngine(seed=0), max_lag=1, updates_per_batch=2, mini_batches=2, micro_batch_tokens=200, lr=1e-2)
+    _, df = fit(module, tmp_path, steps=12, callbacks=[batches, Pushes()])
+    assert [(v, g) for v, _, g in pushed] == [(0, 0), (1, 4), (2, 8)]  # versions count batches, steps optimizer steps
+    assert all(v == e for v, e, _ in pushed)  # each batch starts with the engine holding the trainer's version
+    for version, b in batches.seen:
+        assert 0 <= version - b.versions[b.loss_mask].min() <= 1
+    assert df["loss/clip_frac"].dropna().max() > 0
+
+
 def test_end_to_end_changes_parameters_and_logs_every_metric(engine, tmp_path, policy_path):
     from transformers import AutoModelForCausalLM
 
     module = make(engine)
     _, df = fit(module, tmp_path, steps=3)
     before = AutoModelForCausalLM.from_pretrained(policy_path).state_dict()
-    after = module.policy.state_dict()
+    after = module.policy.lm.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     missing = [m for m in NAMED_METRICS if m not in df or df[m].isna().all()]
     assert not missing, f"metrics not logged: {missing}"
@@ -132,7 +151,7 @@ def test_resume_continues_at_saved_step_and_version(engine, tmp_path):
     first = make(engine, max_lag=1)
     fit(first, tmp_path, steps=3, callbacks=[ckpt])
     if not isinstance(engine, TorchEngine):  # the shared vLLM engine: leave it serving other weights and version 0
-        engine.call(engine.update_weights({k: v * 0.5 for k, v in first.policy.state_dict().items()
+        engine.call(engine.update_weights({k: v * 0.5 for k, v in first.policy.lm.state_dict().items()
                                            if k != "lm_head.weight"}, 0))
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
     assert saved["global_step"] == 3 and saved["molt"]["policy_version"] == 3
@@ -143,8 +162,8 @@ def test_resume_continues_at_saved_step_and_version(engine, tmp_path):
             if hasattr(self, "step"):
                 return
             self.step, self.engine_version = trainer.global_step, pl_module.engine.version
-            self.weights_equal = all(torch.equal(v, first.policy.state_dict()[k])
-                                     for k, v in pl_module.policy.state_dict().items())
+            self.weights_equal = all(torch.equal(v, first.policy.lm.state_dict()[k])
+                                     for k, v in pl_module.policy.lm.state_dict().items())
             self.next_prompt = pl_module.source.state_dict()["next_prompt"]
 
     at_start, batches = AtStart(), Batches()

@@ -3,7 +3,9 @@ value terms. ``objective(inp, policy_loss, cfg) -> (loss, metrics)``; every piec
 
     loss = agg(w * l_policy) + kl_coef * agg(KL(pi || pi_ref)) - entropy_coef * agg(H(pi)) + value_coef * L_value
 
-Aggregations (``agg(x, mask, cfg)``; a "sequence" is a batch row, and rows without policy tokens do not count):
+Aggregations (``agg(x, mask, cfg, norm)``; a "sequence" is a batch row, and rows without policy tokens do not count).
+Each divides a sum over ``mask`` by counts in ``norm`` (``batching.Norm``: policy tokens and rows of the whole
+mini-batch), so micro-batches and ranks add up to the whole batch's loss; without ``norm`` the counts are ``mask``'s:
 - ``token_mean``: sum over all policy tokens / their number (DAPO; TRL ``bnpo``/``dapo``).
 - ``seq_mean_token_mean``: mean over rows of the row's token mean (GRPO paper; TRL ``grpo``; GSPO).
 - ``seq_mean_token_sum``: mean over rows of the row's token sum.
@@ -21,30 +23,31 @@ from collections.abc import Callable
 
 import torch
 
+from ..batching import Norm
 from .losses import LOG_RATIO_LIMIT, LossInputs, masked_mean
 from .registry import resolve
 
 
 # ----- aggregations: per-token values (N, T) -> scalar -----
-def _rows(mask: torch.Tensor) -> torch.Tensor:
-    return mask.any(-1).sum().clamp(min=1)  # rows with at least one policy token
+def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, x, 0.0).sum()
 
 
-def token_mean(x: torch.Tensor, mask: torch.Tensor, cfg) -> torch.Tensor:
-    return masked_mean(x, mask)
+def token_mean(x: torch.Tensor, mask: torch.Tensor, cfg, norm: Norm | None = None) -> torch.Tensor:
+    return _masked_sum(x, mask) / (norm or Norm.of(mask)).tokens
 
 
-def seq_mean_token_mean(x: torch.Tensor, mask: torch.Tensor, cfg) -> torch.Tensor:
+def seq_mean_token_mean(x: torch.Tensor, mask: torch.Tensor, cfg, norm: Norm | None = None) -> torch.Tensor:
     per_row = masked_mean(x, mask, dim=-1)  # (N,)
-    return per_row.sum() / _rows(mask)
+    return per_row.sum() / (norm or Norm.of(mask)).rows
 
 
-def seq_mean_token_sum(x: torch.Tensor, mask: torch.Tensor, cfg) -> torch.Tensor:
-    return torch.where(mask, x, 0.0).sum() / _rows(mask)
+def seq_mean_token_sum(x: torch.Tensor, mask: torch.Tensor, cfg, norm: Norm | None = None) -> torch.Tensor:
+    return _masked_sum(x, mask) / (norm or Norm.of(mask)).rows
 
 
-def seq_mean_token_sum_norm(x: torch.Tensor, mask: torch.Tensor, cfg) -> torch.Tensor:
-    return torch.where(mask, x, 0.0).sum() / (_rows(mask) * cfg.loss_norm_tokens)
+def seq_mean_token_sum_norm(x: torch.Tensor, mask: torch.Tensor, cfg, norm: Norm | None = None) -> torch.Tensor:
+    return _masked_sum(x, mask) / ((norm or Norm.of(mask)).rows * cfg.loss_norm_tokens)
 
 
 AGGREGATIONS: dict[str, Callable] = {
@@ -72,12 +75,19 @@ def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 
 KL_ESTIMATORS: dict[str, Callable] = {"k1": k1, "k2": k2, "k3": k3}
+ADDITIVE_METRICS = frozenset({"loss/policy", "loss/kl", "loss/entropy", "loss/value", "loss/total"})  # sum over parts
 
 
-def objective(inp: LossInputs, policy_loss: Callable, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The scalar loss to minimize and its metrics (detached scalars; ``loss/*`` are the terms that sum to it)."""
-    agg = resolve(cfg.aggregation, AGGREGATIONS, "aggregation")
-    mask = inp.mask
+def objective(inp: LossInputs, policy_loss: Callable, cfg,
+              norm: Norm | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The scalar loss to minimize and its metrics (detached scalars; ``loss/*`` are the terms that sum to it).
+    ``norm``: the counts of the whole mini-batch this micro-batch belongs to (default: this one's own)."""
+    mask, norm = inp.mask, norm or Norm.of(inp.mask)
+    _agg = resolve(cfg.aggregation, AGGREGATIONS, "aggregation")
+
+    def agg(x, mask, cfg):
+        return _agg(x, mask, cfg, norm)
+
     per_token, metrics = policy_loss(inp, cfg)  # (N, T)
     if inp.is_weight is not None:
         per_token = inp.is_weight * per_token  # (N, T) off-policy correction
@@ -90,7 +100,7 @@ def objective(inp: LossInputs, policy_loss: Callable, cfg) -> tuple[torch.Tensor
         terms["loss/entropy"] = -cfg.entropy_coef * agg(inp.entropy, mask, cfg)
         metrics["entropy"] = masked_mean(inp.entropy.detach(), mask)
     if inp.values is not None:
-        terms["loss/value"] = cfg.value_coef * 0.5 * masked_mean((inp.values - inp.returns) ** 2, mask)
+        terms["loss/value"] = cfg.value_coef * 0.5 * token_mean((inp.values - inp.returns) ** 2, mask, cfg, norm)
         metrics["value/mean"] = masked_mean(inp.values.detach(), mask)
     loss = sum(terms.values())
     metrics.update({k: v.detach() for k, v in terms.items()})

@@ -26,7 +26,7 @@ class RolloutMonitor(L.Callback):
         wall, self._last = now - self._last, now
         b = outputs["batch"]
         s = b.stats
-        lag = (trainer.global_step - 1) - b.versions[b.loss_mask]  # versions seen by the step that just ran
+        lag = (pl_module.policy_version - 1) - b.versions[b.loss_mask]  # versions seen by the step that just ran
         if lag.numel() and int(lag.max()) > pl_module.source.max_lag:
             raise ConsistencyError(f"trained on a token {int(lag.max())} versions old; max_lag is "
                                    f"{pl_module.source.max_lag}")

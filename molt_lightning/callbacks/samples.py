@@ -17,7 +17,7 @@ class RolloutSamples(L.Callback):
         self.every_n_steps, self.per_step, self.filename = every_n_steps, per_step, filename
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step - 1
+        step = pl_module.policy_version - 1
         if step % self.every_n_steps or trainer.global_rank != 0 or trainer.logger is None:
             return
         decode = pl_module.tokenizer.decode

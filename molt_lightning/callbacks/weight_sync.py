@@ -7,8 +7,9 @@ import lightning as L
 
 class WeightSync(L.Callback):
     """At train start (the engine may hold stale weights, e.g. after a resume) and after every ``every_n_steps``
-    optimizer steps. A larger ``every_n_steps`` trades staleness for fewer transfers; the staleness bound still holds
-    because the rollout source admits work by the engine's version."""
+    training steps (rollout batches, i.e. policy versions; a step may hold several optimizer steps). A larger
+    ``every_n_steps`` trades staleness for fewer transfers; the staleness bound still holds because the rollout
+    source admits work by the engine's version."""
 
     def __init__(self, every_n_steps: int = 1):
         if every_n_steps < 1:
@@ -25,6 +26,6 @@ class WeightSync(L.Callback):
         pl_module.push_weights()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step % self.every_n_steps == 0:
+        if pl_module.policy_version % self.every_n_steps == 0:
             seconds = pl_module.push_weights()
             pl_module.log("perf/weight_sync_s", seconds, on_step=True, batch_size=1)

@@ -8,6 +8,9 @@ call them run there; the trainer thread reaches it through ``call``. ``launch``/
 trainers in one process (tests, benchmark seeds) can share one engine: it shuts down when the last one lets go.
 ``update_weights`` may land while requests are in flight (those requests continue on the new weights, and their
 per-token versions show where). The trainer owns the version numbers: the engine takes whatever it is given.
+Weights arrive in buckets: ``stage_weights`` takes one (HF-named full tensors; nothing changes yet) and
+``commit_weights`` swaps all staged tensors in at once and tags what is sampled from then on with the version, so a
+sharded trainer never needs the whole model twice in one process; ``update_weights`` is the one-bucket shorthand.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ class Sampling:
 
 
 class RolloutEngine(ABC):
-    """Subclasses implement ``start``, ``_generate``, ``_load_weights``, ``shutdown``, ``pause``, ``resume``."""
+    """Subclasses implement ``start``, ``_generate``, ``_stage``, ``_commit``, ``shutdown``, ``pause``, ``resume``;
+    ``start`` sets ``vocab_size`` (the size of the distribution the engine samples from)."""
 
     def __init__(self) -> None:
         self.version = 0
@@ -51,6 +55,7 @@ class RolloutEngine(ABC):
         self._tokens = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self.model_path: str | None = None
+        self.vocab_size: int | None = None
         self._users = 0
 
     # ----- lifecycle, from the trainer thread -----
@@ -90,8 +95,12 @@ class RolloutEngine(ABC):
     async def _generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation: ...
 
     @abstractmethod
-    async def _load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Swap in HF-named weights, tagging every token sampled from now on with ``version``."""
+    async def _stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
+        """Keep (or write out) one bucket of HF-named full tensors for the next commit; serving is unchanged."""
+
+    @abstractmethod
+    async def _commit(self, version: int) -> None:
+        """Swap in every staged tensor, tagging every token sampled from now on with ``version``."""
 
     @abstractmethod
     async def shutdown(self) -> None: ...
@@ -112,9 +121,17 @@ class RolloutEngine(ABC):
             self._tokens += len(out.token_ids)
         return out
 
-    async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        await self._load_weights(state, version)
+    async def stage_weights(self, bucket: Mapping[str, torch.Tensor]) -> None:
+        await self._stage(bucket)
+
+    async def commit_weights(self, version: int) -> None:
+        await self._commit(version)
         self.version = version
+
+    async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """All weights in one bucket: stage, then commit."""
+        await self.stage_weights(state)
+        await self.commit_weights(version)
 
     def take_stats(self) -> dict[str, float]:
         """Idle seconds (no request in flight) and generated tokens since the previous call."""

@@ -30,12 +30,14 @@ class TorchEngine(RolloutEngine):
         self._unpaused = threading.Event()
         self._unpaused.set()
         self._pending: asyncio.Queue | None = None
+        self._staged: dict[str, torch.Tensor] = {}
         self._scheduler: asyncio.Task | None = None
 
     async def start(self, model_path: str) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
+        self.vocab_size = self.model.config.vocab_size
         self.eos_ids = _eos_ids(self.model.generation_config, self.model.config)
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self.gen = torch.Generator(device=self.device).manual_seed(self.seed)
@@ -58,7 +60,11 @@ class TorchEngine(RolloutEngine):
         await self._pending.put((prompt_ids, sampling, done))
         return await done
 
-    async def _load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+    async def _stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
+        self._staged.update(bucket)  # references: the copy happens at commit, under the weights lock
+
+    async def _commit(self, version: int) -> None:
+        state, self._staged = self._staged, {}
         await asyncio.to_thread(self._swap, state, version)
 
     def _swap(self, state: Mapping[str, torch.Tensor], version: int) -> None:

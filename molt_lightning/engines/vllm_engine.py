@@ -44,6 +44,7 @@ class VLLMEngine(RolloutEngine):
         self.weight_dir = weight_dir if os.path.isdir(weight_dir) else None
         self.engine_kwargs = engine_kwargs or {}
         self.llm = None
+        self._staged: list[str] = []  # safetensors files of the buckets staged for the next commit
 
     async def start(self, model_path: str) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
@@ -60,6 +61,7 @@ class VLLMEngine(RolloutEngine):
             worker_extension_cls="molt_lightning.engines.vllm_worker.MoltWorkerExtension", **self.engine_kwargs,
         )
         self.llm = AsyncLLM.from_engine_args(args)
+        self.vocab_size = self.llm.model_config.get_vocab_size()
         await self.llm.update_weight_version(str(self.version))
 
     async def shutdown(self) -> None:
@@ -95,18 +97,22 @@ class VLLMEngine(RolloutEngine):
         reason = {"stop": "stop", "length": "length"}.get(out.finish_reason, "abort")
         return Generation(ids, logprobs, versions, reason)
 
-    async def _load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        path = await asyncio.to_thread(self._write, state)
+    async def _stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
+        self._staged.append(await asyncio.to_thread(self._write, bucket))  # the bucket's memory can go now
+
+    async def _commit(self, version: int) -> None:
+        paths, self._staged = self._staged, []
         try:
             await self.pause()
             try:
-                await self.llm.collective_rpc("molt_load_weights", args=(path,))
+                await self.llm.collective_rpc("molt_load_weights", args=(paths,))
                 await self.llm.reset_prefix_cache(reset_running_requests=True)
                 await self.llm.update_weight_version(str(version))
             finally:
                 await self.resume()
         finally:
-            os.unlink(path)
+            for path in paths:
+                os.unlink(path)
 
     def _write(self, state: Mapping[str, torch.Tensor]) -> str:
         import tempfile

@@ -17,18 +17,27 @@ from __future__ import annotations
 class MoltWorkerExtension:
     """Methods run inside each vLLM worker process."""
 
-    def molt_load_weights(self, path: str) -> int:
-        """Load HF-named tensors from a safetensors file into the running model; returns how many were loaded."""
+    def molt_load_weights(self, paths: list[str]) -> int:
+        """Load HF-named tensors from safetensors files (one per bucket, read one tensor at a time) into the running
+        model; returns how many were loaded."""
         import logging
-
-        from safetensors.torch import load_file
 
         # "ParallelLMHead/RotaryEmbedding: Failed to load weights" is expected (tied head, no rotary weights): quiet it
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        tensors = load_file(path)
-        self.reload_weights(weights_iterator=iter(tensors.items()))
+        count = [0]
+
+        def tensors():
+            from safetensors import safe_open
+
+            for path in paths:
+                with safe_open(path, framework="pt") as f:
+                    for name in f.keys():
+                        count[0] += 1
+                        yield name, f.get_tensor(name)
+
+        self.reload_weights(weights_iterator=tensors())
         self._molt_repack_tied_head()
-        return len(tensors)
+        return count[0]
 
     def _molt_repack_tied_head(self) -> None:
         model = self.model_runner.get_model()

@@ -1,0 +1,89 @@
+"""Weight sync: seconds and GB/s of a push to each engine, against a plain memory copy of the same bytes (same run).
+
+For each policy (the tiny default, SmolLM2-135M) and engine (``TorchEngine`` in-process: a ``load_state_dict`` copy
+under the weights lock; ``VLLMEngine``: buckets written as safetensors to /dev/shm, loaded by the worker's
+``reload_weights``, prefix cache reset), the median of ``--repeats`` pushes of the policy's parameters through
+``stage_weights`` + ``commit_weights`` in buckets of ``--bucket-mb``, and the median of a ``copy_`` of the same
+tensors into preallocated ones (the memcpy baseline). Prints a table; ``--json`` appends the rows to a file.
+
+    python benchmarks/weight_sync.py [--engines torch,vllm] [--policies tiny,smollm2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from molt_lightning.module import resolve_policy
+from molt_lightning.parallel import full_state_buckets
+
+from train_step import POLICIES  # noqa: E402  (benchmarks/ is the script's folder)
+
+
+def median_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def make_engine(name: str):
+    from molt_lightning.engines import TorchEngine, VLLMEngine
+
+    return TorchEngine() if name == "torch" else VLLMEngine(seed=0, cpu_threads="1")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engines", default="torch,vllm")
+    ap.add_argument("--policies", default="tiny,smollm2")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)  # the trainer's share in the recipes; vLLM runs on the other core
+    rows = []
+    for pol in a.policies.split(","):
+        path = resolve_policy(POLICIES[pol])
+        lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        params = dict(lm.named_parameters())
+        nbytes = sum(p.numel() * p.element_size() for p in params.values())
+        dst = {k: torch.empty_like(p) for k, p in params.items()}
+        memcpy = median_s(lambda: [dst[k].copy_(p.detach()) for k, p in params.items()], a.repeats)
+        rows.append({"policy": pol, "engine": "memcpy (baseline)", "MB": nbytes / 1e6, "s": memcpy})
+        for name in a.engines.split(","):
+            engine = make_engine(name)
+            engine.launch(path)
+            version = [0]
+
+            def push():
+                version[0] += 1
+                for bucket in full_state_buckets(lm, a.bucket_mb * 2**20):
+                    engine.call(engine.stage_weights(bucket))
+                engine.call(engine.commit_weights(version[0]))
+
+            push()  # warm-up
+            rows.append({"policy": pol, "engine": name, "MB": nbytes / 1e6, "s": median_s(push, a.repeats)})
+            engine.release()
+        for r in rows:
+            if r["policy"] == pol:
+                r["GB/s"] = r["MB"] / 1e3 / r["s"]
+                r["vs memcpy"] = memcpy / r["s"]
+    print(f"{'policy':8} {'path':18} {'MB':>8} {'s/push':>8} {'GB/s':>7} {'vs memcpy':>9}")
+    for r in rows:
+        print(f"{r['policy']:8} {r['engine']:18} {r['MB']:8.1f} {r['s']:8.4f} {r['GB/s']:7.2f} {r['vs memcpy']:9.2f}")
+    if a.json:
+        with open(a.json, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+if __name__ == "__main__":
+    main()

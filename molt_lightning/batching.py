@@ -1,0 +1,99 @@
+"""How one rollout batch is cut for training: ranks, mini-batches (one optimizer step each), micro-batches.
+
+``plan(batch, world, rank, mini_batches, micro_batch_tokens)`` is a pure function of the batch, so every rank computes
+the same plan for all ranks without talking to the others:
+- **ranks** get whole groups (no prompt is trained by two ranks within a step), balanced by token count;
+- each rank's rows are split into ``mini_batches`` contiguous parts, part j of every rank forming mini-batch j;
+- each part is packed into micro-batches of at most ``micro_batch_tokens`` padded tokens (rows x their longest
+  length; rows sorted by length so padding stays small); every rank runs the same number of micro-batches per
+  mini-batch (the collectives of DDP and FSDP2 must line up), a rank with fewer runs empty ones (``rows`` empty);
+- ``Norm`` holds the mini-batch-wide counts (over all ranks and micro-batches) that every aggregation divides by, so
+  the accumulated gradient equals the gradient of the whole mini-batch at once, in every aggregation mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .trajectory import Batch
+
+
+@dataclass(frozen=True)
+class Norm:
+    tokens: float  # policy tokens in the whole mini-batch
+    rows: float  # rows holding at least one policy token
+
+    @classmethod
+    def of(cls, mask: torch.Tensor) -> Norm:
+        return cls(float(mask.sum().clamp(min=1)), float(mask.any(-1).sum().clamp(min=1)))
+
+
+@dataclass
+class MiniBatch:
+    micro: list[list[int]]  # this rank's rows per micro-batch (batch row indices); the same count on every rank
+    norm: Norm
+
+
+def rank_rows(batch: Batch, world: int) -> list[list[int]]:
+    """Batch rows per rank: whole groups, each to the rank with the fewest tokens so far (largest groups first)."""
+    lengths = batch.attention_mask.sum(-1).tolist()
+    groups: dict[int, list[int]] = {}
+    for row, g in enumerate(batch.group_ids.tolist()):
+        groups.setdefault(g, []).append(row)
+    if len(groups) < world:
+        raise ValueError(f"a batch of {len(groups)} groups cannot give each of {world} ranks a whole group: "
+                         f"raise prompts_per_step to at least {world} (or use fewer devices)")
+    load, out = [0] * world, [[] for _ in range(world)]
+    for rows in sorted(groups.values(), key=lambda rows: -sum(lengths[r] for r in rows)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        out[r] += rows
+        load[r] += sum(lengths[i] for i in rows)
+    return [sorted(rows) for rows in out]
+
+
+def pack(rows: list[int], lengths: list[int], budget: int | None) -> list[list[int]]:
+    """Rows into micro-batches of at most ``budget`` padded tokens (all in one without a budget)."""
+    if not budget:
+        return [rows]
+    too_long = [lengths[r] for r in rows if lengths[r] > budget]
+    if too_long:
+        raise ValueError(f"micro_batch_tokens={budget} is smaller than one sequence ({max(too_long)} tokens): raise "
+                         f"it to at least {max(too_long)} (or shorten the agent's context)")
+    micro, cur = [], []
+    for r in sorted(rows, key=lambda r: -lengths[r]):
+        if cur and (len(cur) + 1) * lengths[cur[0]] > budget:
+            micro.append(cur)
+            cur = []
+        cur.append(r)
+    return micro + [cur] if cur else micro
+
+
+def plan(batch: Batch, world: int, rank: int, mini_batches: int = 1,
+         micro_batch_tokens: int | None = None) -> list[MiniBatch]:
+    """This rank's mini-batches, each a list of micro-batches (row indices) and the mini-batch-wide ``Norm``."""
+    lengths = batch.attention_mask.sum(-1).tolist()
+    mask = batch.loss_mask
+    per_rank = rank_rows(batch, world)
+    if min(len(rows) for rows in per_rank) < mini_batches:
+        raise ValueError(f"mini_batches={mini_batches} needs at least that many rows on every rank, but a rank holds "
+                         f"{min(len(r) for r in per_rank)}: lower mini_batches or raise prompts_per_step/group_size")
+    parts = [[rows[i * len(rows) // mini_batches:(i + 1) * len(rows) // mini_batches] for i in range(mini_batches)]
+             for rows in per_rank]  # parts[rank][j]
+    out = []
+    for j in range(mini_batches):
+        packed = [pack(parts[r][j], lengths, micro_batch_tokens) for r in range(world)]
+        n_micro = max(len(p) for p in packed)
+        rows_j = [row for r in range(world) for row in parts[r][j]]
+        out.append(MiniBatch(packed[rank] + [[]] * (n_micro - len(packed[rank])), Norm.of(mask[rows_j])))
+    return out
+
+
+def rows_of(batch: Batch, rows: list[int]) -> Batch:
+    """The sub-batch of ``rows``, cut to its longest row (less padding); trajectories stay the batch's."""
+    idx = torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)
+    width = int(batch.attention_mask[idx].sum(-1).max())
+    cut = {k: v[idx][:, :width] if v.dim() == 2 else v[idx]
+           for k, v in vars(batch).items() if isinstance(v, torch.Tensor)}
+    return Batch(**{**vars(batch), **cut})

@@ -1,0 +1,48 @@
+"""A callback for the 2-process tests (imported by the CLI's ranks through PYTHONPATH): per rank and step it writes
+which samples the rank trained on, how much of each parameter it holds, and, on rank 0, whether the engine's weights
+equal the gathered policy weights of the version it serves."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import lightning as L
+
+from molt_lightning.parallel import full_state_buckets
+
+
+class Probe(L.Callback):
+    def __init__(self, out: str):
+        self.out = out
+
+    def _write(self, trainer, record: dict) -> None:
+        os.makedirs(self.out, exist_ok=True)
+        with open(os.path.join(self.out, f"rank{trainer.global_rank}.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from torch.distributed.tensor import DTensor
+
+        shares = {n: (p.to_local().numel() if isinstance(p, DTensor) else p.numel()) / p.numel()
+                  for n, p in pl_module.policy.lm.named_parameters()}
+        self._write(trainer, {"event": "shares", "shares": shares, "world": trainer.world_size})
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # the engine serves the version pushed at the end of the previous step: compare it with the gathered weights
+        full = {k: v for b in full_state_buckets(pl_module.policy.lm, 2**20) for k, v in b.items()}
+        if trainer.global_rank == 0:
+            engine = dict(pl_module.engine.model.named_parameters())
+            diff = max(float((engine[k].detach() - v).abs().max()) for k, v in full.items())
+            self._write(trainer, {"event": "sync", "version": pl_module.policy_version,
+                                  "engine_version": pl_module.engine.version, "max_abs_diff": diff,
+                                  "checksum": float(sum(v.double().sum() for v in full.values()))})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        b = outputs["batch"]
+        mine = sorted({b.trajectories[int(b.traj_ids[r])].sample_id for r in outputs["rows"]})
+        version_range = b.versions[b.loss_mask]
+        self._write(trainer, {"event": "step", "version": pl_module.policy_version - 1, "samples": mine,
+                              "all_samples": sorted({t.sample_id for t in b.trajectories}),
+                              "token_versions": [int(version_range.min()), int(version_range.max())],
+                              "global_step": trainer.global_step})
