@@ -8,7 +8,8 @@ the same plan for all ranks without talking to the others:
   length; rows sorted by length so padding stays small); every rank runs the same number of micro-batches per
   mini-batch (the collectives of DDP and FSDP2 must line up), a rank with fewer runs empty ones (``rows`` empty);
 - ``Norm`` holds the mini-batch-wide counts (over all ranks and micro-batches) that every aggregation divides by, so
-  the accumulated gradient equals the gradient of the whole mini-batch at once, in every aggregation mode.
+  the accumulated gradient equals the gradient of the whole mini-batch at once, in every aggregation mode;
+- ``StepMetrics`` puts the parts' metrics back together into one value per step.
 """
 
 from __future__ import annotations
@@ -17,17 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from . import parallel
+from .algorithms.objective import ADDITIVE_METRICS, Norm
 from .trajectory import Batch
-
-
-@dataclass(frozen=True)
-class Norm:
-    tokens: float  # policy tokens in the whole mini-batch
-    rows: float  # rows holding at least one policy token
-
-    @classmethod
-    def of(cls, mask: torch.Tensor) -> Norm:
-        return cls(float(mask.sum().clamp(min=1)), float(mask.any(-1).sum().clamp(min=1)))
 
 
 @dataclass
@@ -97,3 +90,44 @@ def rows_of(batch: Batch, rows: list[int]) -> Batch:
     cut = {k: v[idx][:, :width] if v.dim() == 2 else v[idx]
            for k, v in vars(batch).items() if isinstance(v, torch.Tensor)}
     return Batch(**{**vars(batch), **cut})
+
+
+class StepMetrics:
+    """Combines the metrics of a step's micro-batches and ranks: the loss terms add up over a mini-batch (they are
+    normalized by its counts) and are averaged over optimizer steps; ``*_min``/``*_max`` by min/max; the rest are
+    token-weighted means."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.weighted: dict[str, float] = {}
+        self.extreme: dict[str, float] = {}
+        self.tokens, self.steps, self.grad_norm = 0.0, 0, 0.0
+
+    def add(self, metrics: dict[str, torch.Tensor], tokens: float) -> None:
+        self.tokens += tokens
+        for k, v in metrics.items():
+            v = float(v)
+            if k in ADDITIVE_METRICS:
+                self.sums[k] = self.sums.get(k, 0.0) + v
+            elif k.endswith("_min") or k.endswith("_max"):
+                pick = min if k.endswith("_min") else max
+                self.extreme[k] = pick(self.extreme.get(k, v), v)
+            else:
+                self.weighted[k] = self.weighted.get(k, 0.0) + v * tokens
+
+    def step(self, grad_norm: torch.Tensor) -> None:
+        self.steps += 1
+        full = getattr(grad_norm, "full_tensor", None)  # a DTensor under FSDP2
+        self.grad_norm += float(full() if full else grad_norm)
+
+    def reduce(self, trainer) -> dict[str, float]:
+        t = torch.tensor([self.sums[k] for k in sorted(self.sums)] + [self.weighted[k] for k in sorted(self.weighted)]
+                         + [self.tokens], dtype=torch.float64)
+        t = parallel.all_reduce(t, trainer).tolist()
+        out = {k: v / self.steps for k, v in zip(sorted(self.sums), t)}
+        out.update({k: v / max(t[-1], 1.0) for k, v in zip(sorted(self.weighted), t[len(self.sums):])})
+        for k in sorted(self.extreme):
+            op = torch.distributed.ReduceOp.MIN if k.endswith("_min") else torch.distributed.ReduceOp.MAX
+            out[k] = float(parallel.all_reduce(torch.tensor([self.extreme[k]]), trainer, op))
+        out["grad_norm"] = self.grad_norm / max(self.steps, 1)
+        return out

@@ -34,10 +34,10 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from . import parallel
 from .algorithms import AdvantageInputs, Algorithm, LossInputs, build, objective, off_policy
-from .algorithms.objective import ADDITIVE_METRICS
-from .batching import MiniBatch, Norm, plan, rows_of
+from .algorithms.objective import Norm
+from .batching import MiniBatch, StepMetrics, plan, rows_of
 from .engines.base import RolloutEngine
-from .policy import Policy
+from .policy import Policy, check_vocab
 from .rollout import RolloutSource
 from .tasks import arithmetic
 from .trajectory import Batch, collate
@@ -207,7 +207,7 @@ class AsyncRLModule(L.LightningModule):
         with torch.no_grad():  # advantages are constants of the loss, even when they read the value head
             est = self.pieces.advantage(AdvantageInputs(shaped, groups, batch.traj_ids, mask, consts.values), algo)
 
-        opt, stats = self.optimizers(), _StepMetrics()
+        opt, stats = self.optimizers(), StepMetrics()
         for _ in range(self.hparams.updates_per_batch):
             for mb in minis:
                 opt.zero_grad()
@@ -314,60 +314,8 @@ class _Constants:
         return None if t is None else t[idx, :cut]
 
 
-class _StepMetrics:
-    """Combines the metrics of a step's micro-batches and ranks: the loss terms add up over a mini-batch (they are
-    normalized by its counts) and are averaged over optimizer steps; ``*_min``/``*_max`` by min/max; the rest are
-    token-weighted means."""
-
-    def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.weighted: dict[str, float] = {}
-        self.extreme: dict[str, float] = {}
-        self.tokens, self.steps, self.grad_norm = 0.0, 0, 0.0
-
-    def add(self, metrics: dict[str, torch.Tensor], tokens: float) -> None:
-        self.tokens += tokens
-        for k, v in metrics.items():
-            v = float(v)
-            if k in ADDITIVE_METRICS:
-                self.sums[k] = self.sums.get(k, 0.0) + v
-            elif k.endswith("_min") or k.endswith("_max"):
-                pick = min if k.endswith("_min") else max
-                self.extreme[k] = pick(self.extreme.get(k, v), v)
-            else:
-                self.weighted[k] = self.weighted.get(k, 0.0) + v * tokens
-
-    def step(self, grad_norm: torch.Tensor) -> None:
-        self.steps += 1
-        full = getattr(grad_norm, "full_tensor", None)  # a DTensor under FSDP2
-        self.grad_norm += float(full() if full else grad_norm)
-
-    def reduce(self, trainer) -> dict[str, float]:
-        t = torch.tensor([self.sums[k] for k in sorted(self.sums)] + [self.weighted[k] for k in sorted(self.weighted)]
-                         + [self.tokens], dtype=torch.float64)
-        t = parallel.all_reduce(t, trainer).tolist()
-        out = {k: v / self.steps for k, v in zip(sorted(self.sums), t)}
-        out.update({k: v / max(t[-1], 1.0) for k, v in zip(sorted(self.weighted), t[len(self.sums):])})
-        for k in sorted(self.extreme):
-            op = torch.distributed.ReduceOp.MIN if k.endswith("_min") else torch.distributed.ReduceOp.MAX
-            out[k] = float(parallel.all_reduce(torch.tensor([self.extreme[k]]), trainer, op))
-        out["grad_norm"] = self.grad_norm / max(self.steps, 1)
-        return out
-
-
 def _any_row(mb: MiniBatch) -> list[int]:
     return [next(r for rows in mb.micro for r in rows)]
-
-
-def check_vocab(config, tokenizer, engine: RolloutEngine | None = None) -> None:
-    """The tokenizer's ids must fit the policy's embeddings, and the engine must sample from the same vocabulary."""
-    if len(tokenizer) > config.vocab_size:
-        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the policy's vocabulary is "
-                         f"{config.vocab_size}: resize the embeddings (model.resize_token_embeddings) and save again")
-    engine_vocab = getattr(engine, "vocab_size", None)
-    if engine_vocab is not None and engine_vocab != config.vocab_size:
-        raise ValueError(f"the engine serves a vocabulary of {engine_vocab} tokens, the policy has "
-                         f"{config.vocab_size}: start the engine from the policy's own folder")
 
 
 class _StopOnException(L.Callback):

@@ -97,3 +97,14 @@ def logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, temperat
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = log_z - (torch.softmax(z, dim=-1) * z).sum(-1)  # (N, T-1)
     return logprobs, entropy
+
+
+def check_vocab(config, tokenizer, engine=None) -> None:
+    """The tokenizer's ids must fit the policy's embeddings, and the engine must sample from the same vocabulary."""
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the policy's vocabulary is "
+                         f"{config.vocab_size}: resize the embeddings (model.resize_token_embeddings) and save again")
+    engine_vocab = getattr(engine, "vocab_size", None)
+    if engine_vocab is not None and engine_vocab != config.vocab_size:
+        raise ValueError(f"the engine serves a vocabulary of {engine_vocab} tokens, the policy has "
+                         f"{config.vocab_size}: start the engine from the policy's own folder")

@@ -43,3 +43,11 @@ def test_bad_agent_path_is_a_clear_error(tmp_path):
               "--model.agent", "molt_lightning.tasks.arithmetic.no_such_agent", "--trainer.max_steps", "1")
     assert out.returncode != 0
     assert "no_such_agent" in out.stderr
+
+
+def test_unsupported_strategy_names_the_choices():
+    out = run("-m", "molt_lightning.cli", "fit", "--config", "recipes/default.yaml", "--trainer.strategy", "fsdp",
+              "--trainer.max_steps", "1")
+    assert out.returncode != 0
+    assert "'fsdp' is not supported: use auto (one process), ddp, fsdp2" in out.stderr
+    assert "FSDP2 runs on the CPU too" in out.stderr

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from molt_lightning.algorithms import AGGREGATIONS, AdvantageInputs, Algorithm
-from molt_lightning.batching import Norm, pack, plan, rank_rows
+from molt_lightning.algorithms.objective import Norm
+from molt_lightning.batching import pack, plan, rank_rows
 from molt_lightning.policy import Policy, logprobs_and_entropy
 from molt_lightning.trajectory import Kind, Span, Trajectory, collate
 
@@ -137,3 +138,43 @@ def test_micro_batches_and_ranks_give_the_whole_batch_gradient(aggregation):
         split = _grads(module, batch, parts)
         for name in whole:
             assert torch.allclose(whole[name], split[name], atol=1e-5), (world, name)
+
+
+def test_activation_checkpointing_gives_the_same_gradient():
+    batch = synthetic_batch(seed=2)
+    grads = []
+    for ckpt in (False, True):
+        lm = tiny_lm(seed=3)
+        if ckpt:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lm.train()
+        out = Policy(lm, chunk_tokens=8).outputs(batch.input_ids, batch.attention_mask, batch.loss_mask, 1.0)
+        out.logprobs.sum().backward()
+        grads.append({n: p.grad for n, p in lm.named_parameters()})
+    for n in grads[0]:
+        assert torch.allclose(grads[0][n], grads[1][n], atol=1e-6), n
+
+
+def test_bad_setups_are_refused_with_the_fix():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.accelerators import CPUAccelerator
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from molt_lightning.policy import check_vocab
+    from molt_lightning.parallel import check_strategy
+
+    cores = len(__import__("os").sched_getaffinity(0))
+    trainer = SimpleNamespace(strategy=DDPStrategy(), accelerator=CPUAccelerator(), world_size=cores + 1)
+    with pytest.raises(ValueError, match=f"use --trainer.devices {cores} or fewer"):
+        check_strategy(trainer)
+    trainer.strategy = SimpleNamespace()  # e.g. DeepSpeed, FSDP1
+    with pytest.raises(ValueError, match="not supported by AsyncRLModule: use auto"):
+        check_strategy(trainer)
+
+    config = SimpleNamespace(vocab_size=100)
+    with pytest.raises(ValueError, match="resize the embeddings"):
+        check_vocab(config, [0] * 101)
+    with pytest.raises(ValueError, match="start the engine from the policy's own folder"):
+        check_vocab(config, [0] * 100, SimpleNamespace(vocab_size=128))
+    check_vocab(config, [0] * 90, SimpleNamespace(vocab_size=100))  # a tokenizer smaller than the embeddings is fine

@@ -4,7 +4,7 @@ value terms. ``objective(inp, policy_loss, cfg) -> (loss, metrics)``; every piec
     loss = agg(w * l_policy) + kl_coef * agg(KL(pi || pi_ref)) - entropy_coef * agg(H(pi)) + value_coef * L_value
 
 Aggregations (``agg(x, mask, cfg, norm)``; a "sequence" is a batch row, and rows without policy tokens do not count).
-Each divides a sum over ``mask`` by counts in ``norm`` (``batching.Norm``: policy tokens and rows of the whole
+Each divides a sum over ``mask`` by counts in ``norm`` (``Norm``: policy tokens and rows of the whole
 mini-batch), so micro-batches and ranks add up to the whole batch's loss; without ``norm`` the counts are ``mask``'s:
 - ``token_mean``: sum over all policy tokens / their number (DAPO; TRL ``bnpo``/``dapo``).
 - ``seq_mean_token_mean``: mean over rows of the row's token mean (GRPO paper; TRL ``grpo``; GSPO).
@@ -20,12 +20,24 @@ The KL term is not IS-weighted (as TRL's default and verl). The value loss is ``
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from ..batching import Norm
 from .losses import LOG_RATIO_LIMIT, LossInputs, masked_mean
 from .registry import resolve
+
+
+@dataclass(frozen=True)
+class Norm:
+    """The counts an aggregation divides by: those of the whole mini-batch (all its micro-batches, on all ranks)."""
+
+    tokens: float  # policy tokens in the whole mini-batch
+    rows: float  # rows holding at least one policy token
+
+    @classmethod
+    def of(cls, mask: torch.Tensor) -> Norm:
+        return cls(float(mask.sum().clamp(min=1)), float(mask.any(-1).sum().clamp(min=1)))
 
 
 # ----- aggregations: per-token values (N, T) -> scalar -----

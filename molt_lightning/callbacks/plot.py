@@ -31,7 +31,7 @@ class RewardPlot(L.Callback):
         df = df.dropna(subset=[self.metric])
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(df["step"], df[self.metric], marker=".", lw=1)
-        ax.set(xlabel="optimizer step (policy version)", ylabel=f"mean {self.metric}")
+        ax.set(xlabel="training step (policy version)", ylabel=f"mean {self.metric}")
         ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(os.path.join(logger.log_dir, self.filename), dpi=120)

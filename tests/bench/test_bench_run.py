@@ -109,3 +109,17 @@ def test_cli_help_is_instant_and_imports_no_torch():
             "build_parser().parse_args(['compare', 'a', 'b']); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_molt_stack_runs_ppo_epochs_and_mini_batches(tmp_path, smoke_protocol):
+    """``algorithm.updates_per_batch`` and ``mini_batches`` are real for the molt stack: 2 x 2 optimizer steps per
+    batch, and the protocol's ``steps`` still count batches (policy versions)."""
+    from molt_lightning.bench.protocol import Protocol
+
+    data = {**smoke_protocol, "algorithm": {**smoke_protocol["algorithm"], "updates_per_batch": 2, "mini_batches": 2}}
+    runner.run(Protocol(data), "molt", 1, tmp_path / "ppo", log=lambda *_: None)
+    f = load_runset(tmp_path / "ppo").frames[0]
+    assert f["step"].tolist() == [1, 2, 3] and (f["batch/optimizer_steps"] == 4).all()
+    bad = {**data, "algorithm": {**data["algorithm"], "updates_per_batch": 0}}
+    with pytest.raises(ValueError, match="updates_per_batch"):
+        runner.run(Protocol(bad), "molt", 1, tmp_path / "bad", log=lambda *_: None)

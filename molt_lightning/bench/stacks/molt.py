@@ -23,8 +23,8 @@ SUPPORTED = {
     "optimizer.name": ("adamw",), "optimizer.schedule": ("constant",), "optimizer.betas": ([0.9, 0.999],),
     "sampling.top_p": (1.0, 1),
 }
-# protocol algorithm keys that are not ``Algorithm`` fields, and the one value molt's loop implies for each
-IMPLIED = {"updates_per_batch": (1,), "kl_coef": (0, 0.0)}
+# protocol algorithm keys that are not ``Algorithm`` fields but the module's: PPO epochs and optimizer steps per epoch
+LOOP_KEYS = ("updates_per_batch", "mini_batches")
 
 
 def check(protocol) -> None:
@@ -35,10 +35,10 @@ def check(protocol) -> None:
     for key, value in protocol.data["algorithm"].items():
         if key in fields:
             continue  # passed to Algorithm as it is
-        if key not in IMPLIED:
-            raise unsupported("molt", f"algorithm.{key}", value, sorted(fields | set(IMPLIED)))
-        if value not in IMPLIED[key]:
-            raise unsupported("molt", f"algorithm.{key}", value, list(IMPLIED[key]))
+        if key not in LOOP_KEYS:
+            raise unsupported("molt", f"algorithm.{key}", value, sorted(fields | set(LOOP_KEYS)))
+        if not isinstance(value, int) or value < 1:
+            raise unsupported("molt", f"algorithm.{key}", value, "integers >= 1")
     agent = protocol.get("task.agent")
     if agent == "molt_lightning.tasks.arithmetic.calculator_agent":
         from ...tasks import arithmetic
@@ -90,6 +90,7 @@ def run_seed(protocol, seed: int, workdir: Path, options: dict):
         lr=float(p["optimizer"]["lr"]), weight_decay=float(p["optimizer"]["weight_decay"]),
         grad_clip=float(p["optimizer"]["grad_clip"]), dtype=p["model"].get("dtype", "float32"),
         torch_threads=options.get("torch_threads"),
+        **{k: int(p["algorithm"][k]) for k in LOOP_KEYS if k in p["algorithm"]},
     )
     logger = CSVLogger(str(workdir), name="lightning_logs")
     for name in ("lightning.pytorch", "lightning.fabric"):
@@ -97,11 +98,18 @@ def run_seed(protocol, seed: int, workdir: Path, options: dict):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's "no validation"/"few workers" advice is noise here
         trainer = L.Trainer(
-            max_steps=int(p["steps"]), logger=logger, log_every_n_steps=1, enable_checkpointing=False,
-            accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
+            max_steps=int(p["steps"]) * _optimizer_steps_per_batch(p), logger=logger, log_every_n_steps=1,
+            enable_checkpointing=False, accelerator="cpu", devices=1, enable_progress_bar=False,
+            enable_model_summary=False,
         )
         trainer.fit(module)
     ((_, raw),) = importers.read_lightning_csv(Path(logger.log_dir) / "metrics.csv")
     spec = importers.STACK_COLUMNS["molt"]
     return runs.normalise(raw, spec["columns"], protocol.samples_per_step, spec["step_base"],
                           devices=trainer.num_devices, per_device=spec["per_device"])
+
+
+def _optimizer_steps_per_batch(p: dict) -> int:
+    """A protocol's ``steps`` are rollout batches (policy versions); Lightning's ``max_steps`` counts optimizer
+    steps."""
+    return int(p["algorithm"].get("updates_per_batch", 1)) * int(p["algorithm"].get("mini_batches", 1))
