@@ -83,6 +83,14 @@ def plan(batch: Batch, world: int, rank: int, mini_batches: int = 1,
     return out
 
 
+def padding_frac(batch: Batch, minis: list[MiniBatch]) -> float:
+    """The share of pad tokens in this rank's micro-batches (what sequence packing could save)."""
+    lengths = batch.attention_mask.sum(-1).tolist()
+    micro = [rows for mb in minis for rows in mb.micro if rows]
+    padded = sum(len(rows) * max(lengths[r] for r in rows) for rows in micro)
+    return 1.0 - sum(lengths[r] for rows in micro for r in rows) / max(padded, 1)
+
+
 def rows_of(batch: Batch, rows: list[int]) -> Batch:
     """The sub-batch of ``rows``, cut to its longest row (less padding); trajectories stay the batch's."""
     idx = torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)

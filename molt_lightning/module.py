@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from . import parallel
 from .algorithms import AdvantageInputs, Algorithm, LossInputs, build, objective, off_policy
 from .algorithms.objective import Norm
-from .batching import MiniBatch, StepMetrics, plan, rows_of
+from .batching import MiniBatch, StepMetrics, padding_frac, plan, rows_of
 from .engines.base import RolloutEngine
 from .policy import Policy, check_vocab
 from .rollout import RolloutSource
@@ -231,7 +231,8 @@ class AsyncRLModule(L.LightningModule):
             {**stats.reduce(self.trainer), "reward/shaped": shaped.mean(),
              "reward/std": rewards.std() if rewards.numel() > 1 else torch.tensor(0.0),
              "lag/max": lag.max(), "batch/samples": float(rewards.numel()), "batch/policy_tokens": mask.sum().float(),
-             "batch/optimizer_steps": float(len(minis) * self.hparams.updates_per_batch)},
+             "batch/optimizer_steps": float(len(minis) * self.hparams.updates_per_batch),
+             "batch/padding_frac": padding_frac(batch, minis)},
             on_step=True, batch_size=rewards.numel(),
         )
         self.log("reward", rewards.mean(), prog_bar=True, on_step=True, batch_size=rewards.numel())

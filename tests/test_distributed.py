@@ -18,7 +18,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def fit(tmp_path: Path, strategy: str, steps: int, name: str = "run", ckpt: str | None = None, **model) -> Path:
+def fit(tmp_path: Path, strategy: str, steps: int, name: str = "run", ckpt: str | None = None,
+        engine: dict | None = None, **model) -> Path:
     probe = tmp_path / f"probe-{name}"
     config = {
         "seed_everything": 0,
@@ -33,7 +34,7 @@ def fit(tmp_path: Path, strategy: str, steps: int, name: str = "run", ckpt: str 
                  "init_args": {"dirpath": str(tmp_path / "ckpt"), "every_n_train_steps": 1, "save_last": True}},
             ],
         },
-        "model": {"engine": {"class_path": "molt_lightning.engines.TorchEngine", "init_args": {"seed": 0}},
+        "model": {"engine": engine or {"class_path": "molt_lightning.engines.TorchEngine", "init_args": {"seed": 0}},
                   "group_size": 4, "prompts_per_step": 4, "torch_threads": 1, "lr": 3.0e-4, **model},
     }
     path = tmp_path / f"{name}.yaml"
@@ -130,3 +131,18 @@ def test_fsdp2_resumes_from_its_distributed_checkpoint(tmp_path):
     assert seen_first and not seen_first & seen_second  # continues at the saved prompt position
     for r in records(second, 0, "step"):
         assert r["version"] - r["token_versions"][0] <= 1  # lag bound holds across the resume
+
+
+@pytest.mark.slow
+def test_fsdp2_with_vllm_syncs_every_bucket(tmp_path):
+    """Rank 0's in-process vLLM engine under FSDP2, weights sent in many small buckets (one safetensors file each):
+    at max_lag=0 the IS ratio is 1 only if vLLM serves exactly the gathered weights of every version."""
+    vllm = {"class_path": "molt_lightning.engines.VLLMEngine", "init_args": {"seed": 0, "cpu_threads": "1"}}
+    probe = fit(tmp_path, "fsdp2", steps=3, engine=vllm, max_lag=0, sync_bucket_mb=1)
+    steps0, steps1 = records(probe, 0, "step"), records(probe, 1, "step")
+    assert [r["version"] for r in steps0] == [r["version"] for r in steps1] == [0, 1, 2]
+    for a, b in zip(steps0, steps1):
+        assert not set(a["samples"]) & set(b["samples"]) and sorted(a["samples"] + b["samples"]) == a["all_samples"]
+        assert a["token_versions"] == [a["version"], a["version"]]
+    steps = metrics(tmp_path, "run").dropna(subset=["reward"])
+    assert ((steps["is/ratio_min"] - 1).abs() < 1e-3).all() and ((steps["is/ratio_max"] - 1).abs() < 1e-3).all()

@@ -15,9 +15,9 @@ from molt_lightning.tasks.addition import agent, reward, tasks
         (" 12.\n", 1.0),
         ("The answer is 12.", 0.75),
         ("12 is the answer.", 0.75),
-        ("7 + 5 = 12", 0.25),
-        ("7+5 = 12 as you mentioned.", 0.25),
-        ("7 + 5 = 12\n\nThe answer is 12.", 0.25),
+        ("7 + 5 = 12", 0.5),
+        ("7+5 = 12 as you mentioned.", 0.5),
+        ("7 + 5 = 12\n\nThe answer is 12.", 0.5),
         ("13", 0.0),
         ("7 + 5 = 13", 0.0),
         ("12, or maybe 13", 0.0),  # the right number must come last
@@ -35,7 +35,7 @@ def test_reward(reply, expected):
 def test_reward_zero_answer():
     assert reward("0", 0) == 1.0
     assert reward("The answer is 0.", 0) == 0.75
-    assert reward("0 + 0 = 0", 0) == 0.25
+    assert reward("0 + 0 = 0", 0) == 0.5
 
 
 def test_tasks_seeded_endless_and_consistent():
@@ -59,6 +59,6 @@ class _FakeClient:
 def test_agent_grades_one_chat_turn():
     sample = {"question": "What is 7+5? Reply with only the number.", "answer": 12}
     client = _FakeClient("7 + 5 = 12")
-    assert asyncio.run(agent(client, sample)) == 0.25
+    assert asyncio.run(agent(client, sample)) == 0.5
     [(messages, max_tokens)] = client.calls
     assert messages == [{"role": "user", "content": sample["question"]}] and max_tokens <= 32

@@ -4,7 +4,7 @@ The question is ``"What is 7+5? Reply with only the number."``; the reply is gra
 
 - 1.0: the reply is exactly the number (``"12"``, a trailing period allowed);
 - 0.75: the right number is the only number in the reply (``"The answer is 12."``);
-- 0.25 (``RESTATED``): the right number is the last number of a longer reply (``"7 + 5 = 12"``);
+- 0.5 (``RESTATED``): the right number is the last number of a longer reply (``"7 + 5 = 12"``);
 - 0.0: anything else (wrong, missing, or followed by other numbers).
 
 Why SmolLM2-135M-Instruct (``models.smollm2``) can learn it: when it answers in the form ``"7 + 5 = 12"`` (about 40% of
@@ -25,10 +25,9 @@ from typing import Any
 MAX_TOKENS = 24
 TEMPERATURE = 0.7  # the temperature the baseline above was measured at
 _NUMBER = re.compile(r"\d+")
-# The right number after restating the question ("7 + 5 = 12"). At 0.5 (the first version) this form, 40% of the
-# warm start's replies, was an optimum RL settled in within 12 steps (entropy 1.0 -> 0.02, reward 0.31 -> 0.45, never
-# a bare number); at 0.25 it is worth less than an answer that gives the number alone.
-RESTATED = 0.25
+# The right number after restating the question ("7 + 5 = 12"). RL settles in this form (see the README); scoring it
+# 0.25 instead did not help: 40 steps later the policy still restated, for a quarter of the reward.
+RESTATED = 0.5
 
 
 def make_problem(rng: random.Random) -> dict[str, Any]:
@@ -44,7 +43,7 @@ def tasks(seed: int = 0) -> Iterator[dict[str, Any]]:
 
 
 def reward(reply: str, answer: int) -> float:
-    """1.0 exactly the number; 0.75 the only number; 0.25 the last number; else 0.0 (see the module docstring)."""
+    """1.0 exactly the number; 0.75 the only number; 0.5 the last number; else 0.0 (see the module docstring)."""
     if reply.strip().removesuffix(".").strip() == str(answer):
         return 1.0
     numbers = [int(n) for n in _NUMBER.findall(reply)]
