@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import shutil
-import tempfile
 from pathlib import Path
 
-from .tiny import cache_root
+from .tiny import cache_root, cached_folder
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EOS = "<|im_end|>"
@@ -38,23 +36,10 @@ def smollm2_policy() -> str:
     """Path of the cached float32 SmolLM2-135M-Instruct folder, converting the GGUF file on first use."""
     src = gguf_path()
     key = hashlib.sha256(f"{src.name}:{src.stat().st_size}".encode()).hexdigest()[:12]
-    final = cache_root() / f"smollm2-135m-instruct-{key}"
-    if (final / "model.safetensors").exists():
-        return str(final)
-    if importlib.util.find_spec("gguf") is None:
+    name = f"smollm2-135m-instruct-{key}"
+    if not (cache_root() / name / "model.safetensors").exists() and importlib.util.find_spec("gguf") is None:
         raise RuntimeError(f"reading the SmolLM2 GGUF file needs the gguf package: {FIX}")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".building-"))
-    try:
-        convert(src, tmp)
-        try:
-            tmp.rename(final)  # atomic; a concurrent builder may have won the race
-        except OSError:
-            if not (final / "model.safetensors").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(final)
+    return cached_folder(name, lambda out: convert(src, out))
 
 
 def convert(src: Path, out: Path) -> None:

@@ -48,13 +48,19 @@ def arithmetic_policy(spec: dict | None = None) -> str:
     """Path of the cached warm-started policy folder, building it on first use (about 3 minutes on 2 cores)."""
     spec = spec or SPEC
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    final = cache_root() / f"tiny-arithmetic-{key}"
+    return cached_folder(f"tiny-arithmetic-{key}", lambda out: build(out, spec))
+
+
+def cached_folder(name: str, make) -> str:
+    """The model folder ``name`` in the cache, made by ``make(folder)`` on first use (in a temporary folder, renamed
+    into place atomically, so a crashed or concurrent build never leaves a half-written model behind)."""
+    final = cache_root() / name
     if (final / "model.safetensors").exists():
         return str(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".building-"))
     try:
-        build(tmp, spec)
+        make(tmp)
         try:
             tmp.rename(final)  # atomic; a concurrent builder may have won the race
         except OSError:
