@@ -4,7 +4,7 @@ Each configuration runs ``benchmarks/train_step.py`` in its own process(es) (pea
 and the table shows ratios against the first row of its block (the baseline measured in the same run):
 
 1. one process, 2 threads: full logits (the plain route) vs the chunked head vs chunked + micro-batches of 1,024
-   tokens vs that + activation checkpointing;
+   tokens vs that + activation checkpointing, and vs bfloat16 parameters;
 2. the chunked step on 1 rank (2 threads) vs DDP 2 ranks vs FSDP2 2 ranks (1 thread each: this machine has 2 cores).
 
     python benchmarks/scale_table.py [--policy smollm2] [--steps 3] [--out benchmarks/results/scale_cpu2.txt]
@@ -26,6 +26,8 @@ MEMORY = [
     ("chunked + micro-batches (1,024 tokens)", ["--mode", "chunked", "--micro-batch-tokens", "1024"]),
     ("chunked + micro-batches + activation ckpt", ["--mode", "chunked", "--micro-batch-tokens", "1024",
                                                    "--activation-checkpointing"]),
+    ("chunked + micro-batches, bfloat16 parameters", ["--mode", "chunked", "--micro-batch-tokens", "1024",
+                                                      "--dtype", "bfloat16"]),
 ]
 PARALLEL = [
     ("1 rank, 2 threads", ["--devices", "1", "--threads", "2"]),
@@ -59,13 +61,18 @@ def main() -> None:
     ap.add_argument("--policy", default="smollm2")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default=None, help="run only the rows whose name contains this text")
     a = ap.parse_args()
+    if a.only:
+        MEMORY[:] = [MEMORY[0]] + [r for r in MEMORY[1:] if a.only in r[0]]
+        PARALLEL[:] = []
     memory = [(name, measure(a.policy, a.steps, ["--threads", "2", *args])) for name, args in MEMORY]
     parallel = [(name, measure(a.policy, a.steps, ["--mode", "chunked", *args])) for name, args in PARALLEL]
     lines = [f"policy {a.policy}, batch 16 x 256 tokens (64 prompt + 192 policy tokens each), median s/step of "
              f"steps 2..{a.steps}, AdamW", ""]
     lines += table("Memory-bounded step (one process)", memory)
-    lines += table("Data parallelism (chunked head, same batch)", parallel)
+    if parallel:
+        lines += table("Data parallelism (chunked head, same batch)", parallel)
     text = "\n".join(lines)
     print(text)
     if a.out:

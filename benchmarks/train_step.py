@@ -102,6 +102,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--micro-batch-tokens", type=int, default=None)
     ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--precision", default="32-true", help="Lightning precision, e.g. bf16-mixed (autocast)")
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--devices", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / devices)")
@@ -109,8 +111,10 @@ def main() -> None:
     a = ap.parse_args()
     threads = a.threads or max(1, (os.cpu_count() or 1) // a.devices)
     module = StepBench(a.rows, a.tokens, a.mode, policy=POLICIES[a.policy], micro_batch_tokens=a.micro_batch_tokens,
-                       activation_checkpointing=a.activation_checkpointing, torch_threads=threads, lr=1e-6)
+                       activation_checkpointing=a.activation_checkpointing, torch_threads=threads, lr=1e-6,
+                       dtype=a.dtype)
     trainer = L.Trainer(accelerator="cpu", devices=a.devices, strategy=a.strategy, max_steps=a.steps, logger=False,
+                        precision=a.precision,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss is KiB on Linux)
@@ -122,6 +126,7 @@ def main() -> None:
         print(json.dumps({"policy": a.policy, "mode": a.mode, "strategy": a.strategy, "devices": a.devices,
                           "rows": a.rows, "tokens": a.tokens, "micro_batch_tokens": a.micro_batch_tokens,
                           "activation_checkpointing": a.activation_checkpointing, "threads_per_rank": threads,
+                          "dtype": a.dtype, "precision": a.precision,
                           "s_per_step": statistics.median(module.times[1:] or module.times),
                           "peak_rss_gib_per_rank": ranks}))
 
