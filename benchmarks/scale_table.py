@@ -61,18 +61,13 @@ def main() -> None:
     ap.add_argument("--policy", default="smollm2")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--only", default=None, help="run only the rows whose name contains this text")
     a = ap.parse_args()
-    if a.only:
-        MEMORY[:] = [MEMORY[0]] + [r for r in MEMORY[1:] if a.only in r[0]]
-        PARALLEL[:] = []
     memory = [(name, measure(a.policy, a.steps, ["--threads", "2", *args])) for name, args in MEMORY]
     parallel = [(name, measure(a.policy, a.steps, ["--mode", "chunked", *args])) for name, args in PARALLEL]
     lines = [f"policy {a.policy}, batch 16 x 256 tokens (64 prompt + 192 policy tokens each), median s/step of "
              f"steps 2..{a.steps}, AdamW", ""]
     lines += table("Memory-bounded step (one process)", memory)
-    if parallel:
-        lines += table("Data parallelism (chunked head, same batch)", parallel)
+    lines += table("Data parallelism (chunked head, same batch)", parallel)
     text = "\n".join(lines)
     print(text)
     if a.out:
