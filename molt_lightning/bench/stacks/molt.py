@@ -98,7 +98,9 @@ def run_seed(protocol, seed: int, workdir: Path, options: dict):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's "no validation"/"few workers" advice is noise here
         trainer = L.Trainer(
-            max_steps=int(p["steps"]) * _optimizer_steps_per_batch(p), logger=logger, log_every_n_steps=1,
+            # a protocol's steps are rollout batches; Lightning's max_steps counts optimizer steps
+            max_steps=int(p["steps"]) * module.hparams.updates_per_batch * module.hparams.mini_batches,
+            logger=logger, log_every_n_steps=1,
             enable_checkpointing=False, accelerator="cpu", devices=1, enable_progress_bar=False,
             enable_model_summary=False,
         )
@@ -107,9 +109,3 @@ def run_seed(protocol, seed: int, workdir: Path, options: dict):
     spec = importers.STACK_COLUMNS["molt"]
     return runs.normalise(raw, spec["columns"], protocol.samples_per_step, spec["step_base"],
                           devices=trainer.num_devices, per_device=spec["per_device"])
-
-
-def _optimizer_steps_per_batch(p: dict) -> int:
-    """A protocol's ``steps`` are rollout batches (policy versions); Lightning's ``max_steps`` counts optimizer
-    steps."""
-    return int(p["algorithm"].get("updates_per_batch", 1)) * int(p["algorithm"].get("mini_batches", 1))
