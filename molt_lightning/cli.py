@@ -17,13 +17,13 @@ def main(args: list[str] | None = None) -> None:
 
     from .callbacks import StepProgressBar
     from .module import AsyncRLModule
-    from .parallel import SUPPORTED
+    from .parallel import STRATEGIES, SUPPORTED
 
     class MoltCLI(LightningCLI):
         def instantiate_trainer(self, **kwargs):
             trainer = self._get(self.config_init, "trainer", default={})
             strategy = trainer.get("strategy")
-            if isinstance(strategy, str) and strategy not in ("auto", "ddp", "fsdp2"):
+            if isinstance(strategy, str) and strategy not in STRATEGIES:
                 hint = " (FSDP1 needs a GPU; FSDP2 runs on the CPU too)" if strategy.startswith("fsdp") else ""
                 raise ValueError(f"--trainer.strategy {strategy!r} is not supported: use {SUPPORTED}{hint}")
             callbacks = list(trainer.get("callbacks") or [])

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, StrategyRegistry
 
+STRATEGIES = ("auto", "ddp", "fsdp2")  # the names --trainer.strategy takes
 SUPPORTED = "auto (one process), ddp, fsdp2"
 
 
