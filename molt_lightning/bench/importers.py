@@ -1,11 +1,17 @@
-"""Importers for runs made elsewhere: Lightning CSV, JSONL, TensorBoard event files and W&B CSV exports.
+"""Importers for runs made elsewhere: the files other stacks really write, read into one shape.
 
 Each reader returns ``[(label, frame)]``: a frame with a ``step`` column, the logged columns under their own names,
 and ``__wall`` (seconds since the epoch) when the format records wall time. A file may hold several runs (a W&B
-panel export has one column group per run), hence the list. ``STACK_COLUMNS`` then maps each source stack's names
-to the protocol's metric names, and ``runs.normalise`` makes the run-set frame.
+panel export has one column group per run; a console log may hold a relaunch), hence the list. ``STACK_COLUMNS``
+then maps each source stack's names to the protocol's metric names, and ``runs.normalise`` makes the run-set frame.
 
-Where the names come from (checked against each project's logging code):
+Formats: Lightning's CSV, JSONL (verl's ``file`` logger writes ``{"step": N, "data": {...}}``; the ``data`` object
+is unwrapped), TensorBoard event files, W&B CSV exports, NeMo-RL's ``metrics.json`` (``{tag: {step: value}}``), and
+the console logs of verl, slime and AReaL (``consoles``). Tried on the real files in ``../shared/real-logs/``
+(``tests/bench/test_bench_real_logs.py``).
+
+Where the names come from (checked against each project's logging code; a column entry may list candidates, the
+first one the file has is used and recorded in the manifest):
 - molt: ``AsyncRLModule.training_step`` and ``RolloutMonitor`` (``reward``, ``perf/step_time_s``,
   ``perf/gen_tokens_per_s``, ``batch/samples``); Lightning's CSV ``step`` starts at 0.
 - trl: ``GRPOTrainer`` log history (``reward``, ``step_time``; ``step`` is ``state.global_step``, from 1); through
@@ -15,8 +21,15 @@ Where the names come from (checked against each project's logging code):
   per GPU), step key ``rollout/step`` from 0.
 - NeMo-RL (Megatron or DTensor backend): ``train/reward``, ``timing/train/total_step_time``,
   ``performance/generation_tokens_per_sec_per_gpu``; steps from 1.
-- verl: ``critic/score/mean``, ``timing_s/step``, ``perf/throughput`` (tokens per second per GPU, counting prompt
-  and response tokens: not the same quantity as generated tokens; say so when comparing it); steps from 1.
+- verl: ``critic/score/mean`` (else ``critic/rewards/mean``, which adds the in-reward KL penalty when that is on),
+  ``timing_s/step``, ``perf/throughput`` (tokens per second per GPU, counting prompt and response tokens: not the
+  same quantity as generated tokens; say so when comparing it); steps from 1.
+- AReaL: ``ppo_actor/task_reward/avg`` (``grpo_actor/`` in older versions; else ``rollout/reward``, which is
+  missing from steps where no rollout finished), step ``global_step`` from 0; no step time or throughput in one
+  number (the console reader's wall clock gives the step time).
+- ROLL: ``critic/score/mean``, ``time/step_total``, ``system/tps_gpu``, step ``system/global_step`` from 0.
+- labs-molt: ``train/rollout/reward_mean``, ``train/timing/step_total``, step ``train/global_step``.
+- OpenRLHF: ``train/reward``, ``train/timing/step_total``, step ``train/global_step`` from 1.
 Any entry can be replaced with ``--map name=COLUMN``.
 """
 
@@ -27,8 +40,10 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
+from . import consoles
 from .runs import RunSetError
 
 STACK_COLUMNS: dict[str, dict] = {
@@ -46,9 +61,22 @@ STACK_COLUMNS: dict[str, dict] = {
     "nemo-rl": {"columns": {"step": "step", "reward": "train/reward", "step_time_s": "timing/train/total_step_time",
                             "tokens_per_s_per_device": "performance/generation_tokens_per_sec_per_gpu"},
                 "step_base": 1, "per_device": ()},
-    "verl": {"columns": {"step": "step", "reward": "critic/score/mean", "step_time_s": "timing_s/step",
+    "verl": {"columns": {"step": "step", "reward": ("critic/score/mean", "critic/rewards/mean"),
+                         "step_time_s": ("timing_s/step", "perf/time_per_step"),
                          "tokens_per_s_per_device": "perf/throughput"},
              "step_base": 1, "per_device": ()},
+    "areal": {"columns": {"step": "global_step", "reward": ("ppo_actor/task_reward/avg", "grpo_actor/task_reward/avg",
+                                                            "rollout/reward")},
+              "step_base": 0, "per_device": ()},
+    "roll": {"columns": {"step": "system/global_step", "reward": "critic/score/mean", "step_time_s": "time/step_total",
+                         "tokens_per_s_per_device": "system/tps_gpu"},
+             "step_base": 0, "per_device": ()},
+    "labs-molt": {"columns": {"step": "train/global_step", "reward": "train/rollout/reward_mean",
+                              "step_time_s": "train/timing/step_total"},
+                  "step_base": 1, "per_device": ()},
+    "openrlhf": {"columns": {"step": "train/global_step", "reward": "train/reward",
+                             "step_time_s": "train/timing/step_total"},
+                 "step_base": 1, "per_device": ()},
 }
 STEP_CANDIDATES = ("step", "_step", "global_step", "Step", "train/global_step", "trainer/global_step", "iteration")
 WALL_CANDIDATES = ("_timestamp", "timestamp", "time", "wall_time")
@@ -71,7 +99,8 @@ def read_lightning_csv(path: Path, step_key: str | None = None) -> list[tuple[st
 
 
 def read_jsonl(path: Path, step_key: str | None = None) -> list[tuple[str, pd.DataFrame]]:
-    """One JSON object per line; nested objects are flattened with '/' (``{"a": {"b": 1}}`` -> column ``a/b``)."""
+    """One JSON object per line; nested objects are flattened with '/' (``{"a": {"b": 1}}`` -> column ``a/b``).
+    verl's file logger rows ``{"step": N, "data": {...}}`` are unwrapped (``data``'s keys are already full names)."""
     rows = []
     with open(path) as f:
         for i, line in enumerate(f, 1):
@@ -82,6 +111,8 @@ def read_jsonl(path: Path, step_key: str | None = None) -> list[tuple[str, pd.Da
             except json.JSONDecodeError as e:
                 raise RunSetError(f"{path}:{i}: not JSON ({e}); a JSONL file has one object per line") from e
             if isinstance(obj, dict):
+                if set(obj) == {"step", "data"} and isinstance(obj["data"], dict):
+                    obj = {"step": obj["step"], **obj["data"]}
                 rows.append(_flat(obj))
     df = pd.DataFrame(rows)
     return [(Path(path).stem, _with_step(df, path, step_key))]
@@ -103,11 +134,34 @@ def read_tensorboard(path: Path, step_key: str | None = None) -> list[tuple[str,
         for ev in acc.Scalars(tag):
             series.setdefault(tag, {})[ev.step] = ev.value
             wall[ev.step] = max(wall.get(ev.step, 0.0), ev.wall_time)
-    df = pd.DataFrame(series)
+    df = pd.DataFrame(series).sort_index()
     df.index.name = "step"
     df = df.reset_index()
     df["__wall"] = df["step"].map(wall)
     return [(Path(path).name, df)]
+
+
+def read_nemo_rl_json(path: Path, step_key: str | None = None) -> list[tuple[str, pd.DataFrame]]:
+    """NeMo-RL's ``metrics.json``, ``{tag: {step: value}}`` (its test suites dump the TensorBoard scalars so).
+    Tags under ``ray/`` are left out: NeMo-RL's Ray resource monitor logs them against its own counter
+    (``ray/ray/ray_step`` runs 0..1108 in a 30-step run), not the training step."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise RunSetError(f"{path}:{e.lineno}: not JSON ({e.msg})") from e
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise RunSetError(f"{path}: expected NeMo-RL's metrics JSON, {{tag: {{step: value}}}}")
+    series = {}
+    for tag, points in data.items():
+        if tag.startswith("ray/"):
+            continue
+        try:
+            series[tag] = {int(k): np.nan if v is None else float(v) for k, v in points.items()}
+        except (TypeError, ValueError) as e:
+            raise RunSetError(f"{path}: tag {tag!r}: steps must be integers and values numbers ({e})") from None
+    df = pd.DataFrame(series).sort_index()
+    df.index.name = "step"
+    return [(Path(path).stem, df.reset_index())]
 
 
 def read_wandb_csv(path: Path, step_key: str | None = None) -> list[tuple[str, pd.DataFrame]]:
@@ -130,7 +184,7 @@ def read_wandb_csv(path: Path, step_key: str | None = None) -> list[tuple[str, p
 
 
 READERS = {"lightning-csv": read_lightning_csv, "jsonl": read_jsonl, "tensorboard": read_tensorboard,
-           "wandb-csv": read_wandb_csv}
+           "wandb-csv": read_wandb_csv, "nemo-rl-json": read_nemo_rl_json, **consoles.READERS}
 
 
 def guess_format(path: Path) -> str:
@@ -151,6 +205,10 @@ def guess_format(path: Path) -> str:
         if "step" in header and "_step" not in header and not any(" - " in h for h in header):
             return "lightning-csv"
         return "wandb-csv"
+    if name.endswith(".json"):
+        return "nemo-rl-json"
+    if path.is_file() and (found := consoles.guess(path)):
+        return found
     raise RunSetError(f"cannot tell the format of {path}: pass --format one of {sorted(READERS)}")
 
 
@@ -178,6 +236,16 @@ def column_map(stack: str, overrides: list[str] | None = None) -> dict:
         else:
             spec["columns"][name] = col
     return spec
+
+
+def resolve_columns(columns: dict, frame: pd.DataFrame) -> dict[str, str]:
+    """A map whose entries may list candidate columns -> one column per name: the first candidate ``frame`` has
+    (or the first candidate, so that a missing metric is reported under the name the stack normally uses)."""
+    out = {}
+    for name, src in columns.items():
+        candidates = (src,) if isinstance(src, str) else tuple(src)
+        out[name] = next((c for c in candidates if c in frame), candidates[0])
+    return out
 
 
 def _flat(obj: dict, prefix: str = "") -> dict:

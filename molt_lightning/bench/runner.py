@@ -80,13 +80,15 @@ def import_runs(sources: list[Path], protocol: Protocol, stack: str, out: Path, 
         "kind": "import", "format": fmt or "auto", "source_stack": stack, "column_map": spec["columns"],
         "step_base": spec["step_base"], "devices": devices, "files": [str(s) for s in sources]}})
     for seed, (src, name, raw) in zip(seeds, found):
-        frame = runs.normalise(raw, spec["columns"], protocol.samples_per_step, spec["step_base"],
+        columns = importers.resolve_columns(spec["columns"], raw)
+        frame = runs.normalise(raw, columns, protocol.samples_per_step, spec["step_base"],
                                devices=devices, per_device=spec["per_device"])
         missing = [m for m in protocol.metrics if m not in frame]
         rel = runs.write_seed(out, seed, frame)
         manifest["seeds"][str(seed)] = {"status": "ok", "metrics": rel, "steps": int(len(frame)),
                                         "imported_from": f"{src}" + (f" [{name}]" if name != Path(src).stem else ""),
-                                        "missing_metrics": missing}
+                                        "columns_used": columns, "missing_metrics": missing,
+                                        "repeated_steps": runs.repeated_steps(raw, columns.get("step", "step"))}
     runs.write_manifest(out, manifest)
     return out
 

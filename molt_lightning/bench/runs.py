@@ -42,6 +42,18 @@ class RunSet:
     path: Path
     manifest: dict
     frames: dict[int, pd.DataFrame] = field(default_factory=dict)
+    excluded: list[int] = field(default_factory=list)  # seeds left out of a comparison (compare --exclude)
+    findings: list = field(default_factory=list)  # check.Finding, filled in by compare
+
+    def exclude(self, seeds: list[int]) -> None:
+        unknown = sorted(set(seeds) - set(self.frames))
+        if unknown:
+            raise RunSetError(f"--exclude: {self.path} has no seed {unknown} (its seeds: {self.seeds})")
+        for s in seeds:
+            del self.frames[s]
+        self.excluded = sorted(set(self.excluded) | set(seeds))
+        if not self.frames:
+            raise RunSetError(f"--exclude left {self.path} with no seed")
 
     @property
     def protocol(self) -> dict:
@@ -134,6 +146,23 @@ def _accelerator() -> dict:
     return {"accelerator": "cpu", "devices": 1}
 
 
+def repeated_steps(raw: pd.DataFrame, step_col: str = "step") -> list[int]:
+    """Source steps (as logged) at which some column was logged twice with different values: a run resumed from a
+    checkpoint, or two runs in one file. (Separate log calls for one step, each with its own columns, are not.)
+    Bookkeeping columns (``_step``, ``_runtime``, ``__wall``) are left out: they change with every call."""
+    if step_col not in raw:
+        step_col = "step"
+    if step_col not in raw:
+        return []
+    cols = [c for c in raw.columns if c != step_col and not str(c).startswith("_")
+            and pd.api.types.is_numeric_dtype(raw[c])]
+    df = raw[raw[step_col].notna()]
+    if df.empty or not cols or not df[step_col].duplicated().any():
+        return []
+    conflicting = df.groupby(df[step_col].astype(float).round().astype(int))[cols].nunique().gt(1).any(axis=1)
+    return [int(s) for s in conflicting.index[conflicting]]
+
+
 def normalise(raw: pd.DataFrame, columns: dict[str, str], samples_per_step: int, step_base: int = 0,
               devices: int = 1, per_device: tuple[str, ...] = ()) -> pd.DataFrame:
     """A source frame -> the run-set shape (see the module docstring).
@@ -141,7 +170,9 @@ def normalise(raw: pd.DataFrame, columns: dict[str, str], samples_per_step: int,
     ``columns`` maps protocol names (and the special keys ``step``, ``samples_per_step``, ``step_time_s``) to source
     column names. ``step_base`` is the source's number for the first optimizer step (0 or 1). Metrics named in
     ``per_device`` are divided by ``devices``. Several rows per step (metrics logged by separate calls) are merged,
-    keeping the last value logged for each column.
+    keeping the last value logged for each column. Rows before the first optimizer step (verl's validation at step
+    0) stand for no samples and no time. Without a step-time column, ``step_time_s`` is the wall clock between
+    logged steps (per step), when the source records wall time; the first step's is then unknown.
     """
     step_col = columns.get("step", "step")
     if step_col not in raw and "step" in raw:  # the reader's own step (TensorBoard event step, W&B _step)
@@ -167,9 +198,13 @@ def normalise(raw: pd.DataFrame, columns: dict[str, str], samples_per_step: int,
     else:
         per_step = pd.Series(samples_per_step, index=df.index, dtype=float)
     gaps = out["step"].diff().fillna(out["step"].iloc[0] if len(out) else 1).clip(lower=1)
+    gaps[out["step"] < 1] = 0
     out["samples"] = (per_step * gaps).cumsum()  # a row logged every k steps stands for k steps of samples
+    if "step_time_s" not in out and "__wall" in df:
+        out["step_time_s"] = pd.to_numeric(df["__wall"], errors="coerce").diff() / gaps.where(gaps > 0)
     if "step_time_s" in out and out["step_time_s"].notna().any():
         out["wall_s"] = (out["step_time_s"].fillna(out["step_time_s"].median()) * gaps).cumsum()
+        out.loc[out["step"] < 1, "step_time_s"] = np.nan
     elif "__wall" in df:
         wall = pd.to_numeric(df["__wall"], errors="coerce")
         out["wall_s"] = wall - wall.min() + (wall.diff().median() if len(wall) > 1 else 0.0)
