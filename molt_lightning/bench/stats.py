@@ -118,7 +118,11 @@ def seeds_needed(diff: float, sd: float, margin: float, alpha: float = ALPHA, po
         else:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                n = pw.solve_power(effect_size=effect, alpha=alpha, power=target, alternative=alt)
+                p2 = pw.power(effect_size=effect, nobs1=2, alpha=alpha, alternative=alt)
+                if not np.isfinite(p2) or p2 >= target:  # nan: a noncentrality so large the power is 1
+                    n = 2  # (the solver, searching above 2 seeds, fails to converge there and says nan)
+                else:
+                    n = pw.solve_power(effect_size=effect, alpha=alpha, power=target, alternative=alt)
             out[key] = int(min(MAX_SEEDS, max(2, math.ceil(n)))) if np.isfinite(n) else MAX_SEEDS
     return out
 

@@ -104,6 +104,10 @@ def test_power_numbers_against_the_noncentral_t():
     approx = 2 * (st.norm.ppf(0.95) + st.norm.ppf(0.9)) ** 2 / 0.8 ** 2
     assert approx <= n_eq <= approx + 2
     assert stats.seeds_needed(1.0, 1.0, margin=0.5)["equiv"] == stats.MAX_SEEDS  # |diff| >= margin: unreachable
+    # a difference of 11.6 seed SDs (verl's step time, Ulysses SP vs DP): 2 seeds per side already have the power,
+    # where statsmodels' solver fails to converge and said nan, which was reported as "more than 10000"
+    assert power(2, 8.0) >= 0.8 and stats.seeds_needed(8.0, 1.0, margin=10.0)["diff"] == 2  # power rises with it
+    assert stats.seeds_needed(2.08, 0.18, margin=0.95)["diff"] == 2
 
 
 def test_verdict_branches():
