@@ -1,13 +1,16 @@
 """``molt-bench``: run matched protocols over seeds, import runs made elsewhere, compare two run sets.
 
     molt-bench run PROTOCOL --stack molt|molt-sync|trl --seeds N --out DIR [--set steps=30] [--engine torch|vllm]
-    molt-bench import FILE... --protocol PROTOCOL --source-stack slime|nemo-rl|verl|trl|molt|custom --out DIR
+    molt-bench import FILE... --protocol PROTOCOL --source-stack verl|nemo-rl|slime|areal|... --out DIR
+    molt-bench check RUNSET...  # collapse, NaN, missing/repeated steps, mismatch out of range, outliers, lengths
     molt-bench compare A B [--metric M] [--margin D|P%] [--by step|samples|wall] [--allow-diff FIELD] [--report DIR]
+                           [--exclude SIDE:SEED] [--accept-check]
     molt-bench protocols        # the protocols shipped in protocols/, with fingerprints
 
 Arguments are parsed before anything heavy is imported (``--help`` answers at once); torch, Lightning and TRL load
 only inside ``run``. Errors a user can fix (a protocol mismatch, a missing column, a bad flag) print one message
-naming the problem and the fix, and exit with status 2; the verdict never changes the exit status.
+naming the problem and the fix, and exit with status 2. The verdict never changes the exit status; ``check``
+exits with 1 when it finds an error.
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="protocol fields those runs changed, e.g. --set max_lag=2")
     i.add_argument("--source-stack", required=True, help="whose column names: molt, trl, trl-wandb, slime, "
-                   "nemo-rl, verl, or custom (then give every --map)")
-    i.add_argument("--format", default=None, help="lightning-csv | jsonl | tensorboard | wandb-csv (default: guess)")
+                   "nemo-rl, verl, areal, roll, labs-molt, openrlhf, or custom (then give every --map)")
+    i.add_argument("--format", default=None, help="lightning-csv | jsonl | tensorboard | wandb-csv | nemo-rl-json | "
+                   "verl-console | slime-console | areal-console (default: guess)")
     i.add_argument("--map", dest="maps", action="append", default=[], metavar="NAME=COLUMN",
                    help="map a protocol metric (or step, samples_per_step, step_base) to a source column")
     i.add_argument("--step-key", default=None, help="the source's step column, if not a usual name")
@@ -60,8 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a protocol field the runs may differ in (e.g. max_lag); repeat for several")
     c.add_argument("--alpha", type=float, default=0.05)
     c.add_argument("--power", type=float, default=0.8, help="target power for the seed-count advice")
+    c.add_argument("--exclude", action="append", default=[], metavar="SIDE:SEED",
+                   help="leave a seed out (e.g. one `check` flags), recorded in the report; repeat for several")
+    c.add_argument("--accept-check", action="store_true",
+                   help="give verdicts even over seeds that `molt-bench check` finds errors in")
     c.add_argument("--report", type=Path, default=None, help="report folder (default bench-reports/A-vs-B)")
     c.add_argument("--no-report", action="store_true", help="print only")
+
+    k = sub.add_parser("check", help="sanity checks on run sets (compare runs them too, before any verdict)")
+    k.add_argument("runsets", nargs="+", type=Path)
+    k.add_argument("--metric", action="append", default=None, help="the metrics you will compare (default: the "
+                   "protocol's); NaN in those is an error, elsewhere a warning")
 
     sub.add_parser("protocols", help="list the shipped protocols and their fingerprints")
     return p
@@ -108,13 +121,27 @@ def cmd_compare(args) -> int:
 
     a, b, allowed, results = compare_runsets(
         args.a, args.b, args.metric, by=args.by, summary=args.summary, margin=args.margin, goal=args.goal,
-        allow=args.allow_diff, alpha=args.alpha, power=args.power)
+        allow=args.allow_diff, alpha=args.alpha, power=args.power, exclude=args.exclude,
+        accept_check=args.accept_check)
     print(text_report(a, b, allowed, results))
     if not args.no_report:
         folder = args.report or Path("bench-reports") / f"{a.path.name}-vs-{b.path.name}"
         paths = report.write(folder, a, b, allowed, results)
         print(f"\nreport: {paths['markdown']}  {paths['html']}")
     return 0
+
+
+def cmd_check(args) -> int:
+    from . import check
+    from .runs import load_runset
+
+    found_errors = False
+    for path in args.runsets:
+        rs = load_runset(path)
+        findings = check.check_runset(rs, args.metric)
+        found_errors |= bool(check.errors(findings))
+        print(check.text(rs, findings))
+    return 1 if found_errors else 0
 
 
 def cmd_protocols(args) -> int:
@@ -126,7 +153,8 @@ def cmd_protocols(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "import": cmd_import, "compare": cmd_compare, "protocols": cmd_protocols}
+COMMANDS = {"run": cmd_run, "import": cmd_import, "check": cmd_check, "compare": cmd_compare,
+            "protocols": cmd_protocols}
 
 if __name__ == "__main__":  # vLLM starts its engine core with spawn: keep the entry point guarded
     sys.exit(main())

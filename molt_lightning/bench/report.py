@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from . import summaries
-from .compare import MetricResult, describe_summary, text_report
+from .compare import MetricResult, describe_summary, text_report, verdict_line
 from .runs import RunSet
 
 COLORS = ("tab:blue", "tab:orange")
@@ -34,13 +34,17 @@ def _pyplot():
     return plt
 
 
+def _alpha(r: MetricResult) -> float:
+    return r.result.alpha if r.result is not None else 0.05
+
+
 def plot_curves(a: RunSet, b: RunSet, r: MetricResult, path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for (rs, label), color in zip(((a, "A"), (b, "B")), COLORS):
         frames = list(rs.frames.values())
         grid, values = summaries.curves(frames, r.spec.name, r.by, r.horizon)
-        mean, low, high = summaries.band(values, r.result.alpha)
+        mean, low, high = summaries.band(values, _alpha(r))
         for row in values:
             ax.plot(grid, row, color=color, lw=0.5, alpha=0.35)
         ax.plot(grid, mean, color=color, lw=2, label=f"{label}: {rs.label} (n={len(frames)})")
@@ -63,7 +67,7 @@ def plot_seeds(a: RunSet, b: RunSet, r: MetricResult, path: Path) -> None:
     for i, (vals, color) in enumerate(((r.values_a, COLORS[0]), (r.values_b, COLORS[1]))):
         v = np.array(list(vals.values()))
         ax.scatter(i + rng.uniform(-0.08, 0.08, v.size), v, color=color, s=22, zorder=3)
-        mean, low, high = summaries.band(v, r.result.alpha)
+        mean, low, high = summaries.band(v, _alpha(r))
         ax.errorbar(i + 0.25, mean, yerr=high - mean, fmt="s", color="black", capsize=4, ms=5)
     ax.set_xticks([0, 1], [f"A\n{a.label}", f"B\n{b.label}"], fontsize=8)
     ax.set(ylabel=f"{r.spec.name} ({r.summary})", title="per-seed values, mean and 95% CI")
@@ -88,10 +92,17 @@ def write(out: Path, a: RunSet, b: RunSet, allowed: list, results: list[MetricRe
            "|---|---|---|---|---|---|---|---|"]
     for r in results:
         c = r.result
+        if c is None:
+            ma, mb = np.mean(list(r.values_a.values())), np.mean(list(r.values_b.values()))
+            md.append(f"| {r.spec.name} | {r.summary} by {r.by} | {ma:.4g} | {mb:.4g} | {ma - mb:+.3g} | - | - | "
+                      f"**{verdict_line(r)}** |")
+            continue
         md.append(f"| {c.metric} | {r.summary} by {r.by} | {c.mean_a:.4g} | {c.mean_b:.4g} | {c.diff:+.3g} "
                   f"[{c.diff_ci[0]:.3g}, {c.diff_ci[1]:.3g}] | {c.welch_p:.3g} | {c.tost_p:.3g} (+-{c.margin:.3g}) "
                   f"| **{c.verdict}** |")
-    alpha = results[0].result.alpha if results else 0.05
+    alpha = next((r.result.alpha for r in results if r.result is not None), 0.05)
+    checks = [f"- {side}: {f.line().strip()}" for side, rs in (("A", a), ("B", b)) for f in rs.findings]
+    md += ["", "## molt-bench check", "", *(checks or ["No findings on either side."])]
     md += ["", f"Verdict rule (alpha {alpha:g}): comparable within +-d iff TOST p < alpha; else A/B better iff Welch "
            "p < alpha; else inconclusive, with the seeds per side a conclusive answer needs.", ""]
     for r in results:
@@ -102,8 +113,11 @@ def write(out: Path, a: RunSet, b: RunSet, allowed: list, results: list[MetricRe
     (out / "report.md").write_text("\n".join(md))
     (out / "report.html").write_text(_html(a, b, results, pngs, text))
     summary = {"a": str(a.path), "b": str(b.path), "allowed_differences": allowed,
-               "metrics": [{"summary": r.summary, "by": r.by, "horizon": r.horizon, "values_a": r.values_a,
-                            "values_b": r.values_b, **r.result.as_dict()} for r in results]}
+               "excluded": {"A": a.excluded, "B": b.excluded},
+               "check": {side: [vars(f) for f in rs.findings] for side, rs in (("A", a), ("B", b))},
+               "metrics": [{"metric": r.spec.name, "summary": r.summary, "by": r.by, "horizon": r.horizon,
+                            "values_a": r.values_a, "values_b": r.values_b, "no_verdict": r.no_verdict,
+                            **(r.result.as_dict() if r.result is not None else {})} for r in results]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return {"markdown": out / "report.md", "html": out / "report.html", "json": out / "summary.json"}
 
@@ -114,10 +128,13 @@ def _img(path: Path) -> str:
 
 
 def _html(a: RunSet, b: RunSet, results: list[MetricResult], pngs: dict, text: str) -> str:
-    rows = "".join(
-        f"<tr><td>{html.escape(r.result.metric)}</td><td>{r.result.mean_a:.4g}</td><td>{r.result.mean_b:.4g}</td>"
-        f"<td>{r.result.diff:+.3g}</td><td>{r.result.welch_p:.3g}</td><td>{r.result.tost_p:.3g}</td>"
-        f"<td><b>{html.escape(r.result.verdict)}</b></td></tr>" for r in results)
+    def row(r: MetricResult) -> str:
+        ma, mb = np.mean(list(r.values_a.values())), np.mean(list(r.values_b.values()))
+        p = (f"{r.result.welch_p:.3g}", f"{r.result.tost_p:.3g}") if r.result is not None else ("-", "-")
+        return (f"<tr><td>{html.escape(r.spec.name)}</td><td>{ma:.4g}</td><td>{mb:.4g}</td><td>{ma - mb:+.3g}</td>"
+                f"<td>{p[0]}</td><td>{p[1]}</td><td><b>{html.escape(verdict_line(r))}</b></td></tr>")
+
+    rows = "".join(row(r) for r in results)
     sections = "".join(f"<h2>{html.escape(name)}</h2>{_img(c)}{_img(s)}" for name, (c, s) in pngs.items())
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>molt-bench comparison</title><style>"
