@@ -147,9 +147,10 @@ def cmd_check(args) -> int:
 def cmd_protocols(args) -> int:
     from .protocol import PROTOCOL_DIR, load_protocol
 
-    for path in sorted(PROTOCOL_DIR.glob("*.yaml")):
-        p = load_protocol(path)
-        print(f"{p.name:24s} {p.fingerprint}  {path}")
+    protocols = [(load_protocol(path), path) for path in sorted(PROTOCOL_DIR.glob("*.yaml"))]
+    width = max((len(p.name) for p, _ in protocols), default=0)
+    for p, path in protocols:
+        print(f"{p.name:{width}s}  {p.fingerprint}  {path}")
     return 0
 
 

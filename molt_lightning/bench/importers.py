@@ -28,8 +28,13 @@ first one the file has is used and recorded in the manifest):
   missing from steps where no rollout finished), step ``global_step`` from 0; no step time or throughput in one
   number (the console reader's wall clock gives the step time).
 - ROLL: ``critic/score/mean``, ``time/step_total``, ``system/tps_gpu``, step ``system/global_step`` from 0.
-- labs-molt: ``train/rollout/reward_mean``, ``train/timing/step_total``, step ``train/global_step``.
-- OpenRLHF: ``train/reward``, ``train/timing/step_total``, step ``train/global_step`` from 1.
+  ROLL logs the *previous* step's duration as ``time/step_total`` (0 at the first step): its step times lag by one.
+- labs-molt (NVIDIA-NeMo/labs-molt, derived from OpenRLHF): ``train/rollout/reward_mean``,
+  ``train/timing/step_total``, step from 1 (TensorBoard's own step, or ``train/global_step``). Its
+  ``perf/train_tokens_per_sec`` counts trained tokens, not generated ones, so it is not mapped.
+- OpenRLHF: ``train/rollout/reward_mean`` (older: ``train/reward``), ``train/timing/step_total`` (the sum of its
+  other timings), step from 1; no throughput.
+No real ROLL, labs-molt or OpenRLHF file was found to try these maps on; they come from the logging code.
 Any entry can be replaced with ``--map name=COLUMN``.
 """
 
@@ -74,7 +79,7 @@ STACK_COLUMNS: dict[str, dict] = {
     "labs-molt": {"columns": {"step": "train/global_step", "reward": "train/rollout/reward_mean",
                               "step_time_s": "train/timing/step_total"},
                   "step_base": 1, "per_device": ()},
-    "openrlhf": {"columns": {"step": "train/global_step", "reward": "train/reward",
+    "openrlhf": {"columns": {"step": "train/global_step", "reward": ("train/rollout/reward_mean", "train/reward"),
                              "step_time_s": "train/timing/step_total"},
                  "step_base": 1, "per_device": ()},
 }

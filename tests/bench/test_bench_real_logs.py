@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from molt_lightning.bench import check, importers, runner
+from molt_lightning.bench import check, importers, runner, runs
 from molt_lightning.bench.cli import main
 from molt_lightning.bench.protocol import load_protocol
 from molt_lightning.bench.runs import load_runset
@@ -42,7 +42,7 @@ def imported(tmp_path, files, stack, protocol="verl-gsm8k-qwen2.5-3b", name=None
 
 def test_nemo_rl_metrics_json_megatron_broken_run(tmp_path):
     assert importers.guess_format(LOGS / NEMO_BROKEN) == "nemo-rl-json"
-    rs = imported(tmp_path, [NEMO_BROKEN], "nemo-rl")
+    rs = imported(tmp_path, [NEMO_BROKEN], "nemo-rl", "nemo-rl-grpo-qwen2.5-7b-smoke")
     f = rs.frames[0]
     assert f["step"].tolist() == list(range(0, 31))  # the ray/ tags (their own counter, up to 1108) are left out
     assert f["timing/setup/total_setup_time_s"].iloc[0] == 159.33119201660156  # line 7398: setup, logged at step 0
@@ -66,7 +66,7 @@ def test_nemo_rl_metrics_json_megatron_broken_run(tmp_path):
 
 
 def test_nemo_rl_moe_fsdp2_and_audio_megatron(tmp_path):
-    moe = imported(tmp_path, [NEMO_MOE], "nemo-rl", name="moe").frames[0]
+    moe = imported(tmp_path, [NEMO_MOE], "nemo-rl", "nemo-rl-grpo-nanov3-30b-a3b", name="moe").frames[0]
     moe = moe[moe["step"] >= 1]
     assert len(moe) == 10
     # line 2065 "1": 0.0 (train/reward); line 1594 "1": 72.78610229492188, line 1603 "10": 119.11610412597656
@@ -81,19 +81,21 @@ def test_nemo_rl_moe_fsdp2_and_audio_megatron(tmp_path):
     spike = next(x for x in findings if x.check == "mismatch")
     assert spike.steps == [6] and "3.26" in spike.message
 
-    audio = imported(tmp_path, [NEMO_AUDIO], "nemo-rl", name="audio").frames[0]
+    ((_, raw),) = importers.read(LOGS / NEMO_AUDIO)  # no protocol of its own: normalised directly, 2 x 4 samples
+    spec = importers.column_map("nemo-rl")
+    audio = runs.normalise(raw, importers.resolve_columns(spec["columns"], raw), 8, spec["step_base"])
     audio = audio[audio["step"] >= 1]  # step 0: setup timings
     # lines 274-275 (train/reward) and 118-119 (total_step_time)
     assert audio["reward"].tolist() == pytest.approx([0.29374998807907104, 0.512499988079071])
     assert audio["step_time_s"].tolist() == pytest.approx([20.259756088256836, 17.398963928222656])
-    assert check.check_runset(load_runset(tmp_path / "audio"), ["reward"]) == []
+    assert check.check_seed(0, audio, ["reward"]) == []
 
 
 def test_areal_console_tables_two_launches(tmp_path):
     assert importers.guess_format(LOGS / AREAL) == "areal-console"
     runs = importers.read(LOGS / AREAL)
     assert [len(f) for _, f in runs] == [10, 7]  # the file holds a completed launch and a relaunch cut at step 7
-    rs = imported(tmp_path, [AREAL], "areal", seeds=[0, 1])
+    rs = imported(tmp_path, [AREAL], "areal", "areal-gsm8k-fastest", seeds=[0, 1])
     first, second = rs.frames[0], rs.frames[1]
     assert first["step"].tolist() == list(range(1, 11))  # "Train step g/G" is global_step + 1: steps from 1
     # line 220 (step 1) and 275 (step 2): grpo_actor/task_reward/avg 5.0000e-01; line 715 (step 10) 5.0000e-01
@@ -107,7 +109,7 @@ def test_areal_console_tables_two_launches(tmp_path):
     assert first["step_time_s"].isna().iloc[0]
     manifest = json.loads((tmp_path / "areal" / "manifest.json").read_text())
     assert manifest["seeds"]["0"]["columns_used"]["reward"] == "grpo_actor/task_reward/avg"  # the older name
-    findings = check.check_runset(rs, ["reward"])
+    findings = check.check_runset(rs)
     assert [x.check for x in findings] == ["lengths"] and "seed 1 ends at step 7" in findings[0].message
 
 
