@@ -104,6 +104,10 @@ def check_seed(seed: int, frame: pd.DataFrame, metrics: list[str], repeated: lis
     return out
 
 
+def _at(steps) -> str:
+    return ("step " if len(steps) == 1 else "steps ") + _show(steps)
+
+
 def _show(steps) -> str:
     steps = [int(s) for s in steps]
     return ", ".join(map(str, steps[:STEPS_SHOWN])) + (f", ... ({len(steps)} steps)" if len(steps) > STEPS_SHOWN
@@ -147,21 +151,21 @@ def _finite(seed: int, f: pd.DataFrame, col: str, severity: str) -> list[Finding
     out = []
     inf = np.isinf(v)
     if inf.any():
-        out.append(Finding(severity, "non-finite", seed, f"{col} is infinite at steps {_show(f['step'][inf])}",
+        out.append(Finding(severity, "non-finite", seed, f"{col} is infinite at {_at(f['step'][inf])}",
                            f["step"][inf].tolist()))
     logged = np.flatnonzero(~np.isnan(v))
     if logged.size >= 5:
         inside = np.isnan(v[logged[0]: logged[-1] + 1])
         if inside.any() and inside.mean() <= 0.1:  # a column logged every step, with holes
             holes = f["step"].to_numpy()[logged[0]: logged[-1] + 1][inside]
-            out.append(Finding(severity, "non-finite", seed, f"{col} is NaN (or missing) at steps {_show(holes)}, "
+            out.append(Finding(severity, "non-finite", seed, f"{col} is NaN (or missing) at {_at(holes)}, "
                                "inside the steps where it is logged every step", holes.tolist()))
     return out
 
 
 def _mismatch(seed: int, d: pd.DataFrame, col: str, low: float, high: float, what: str) -> list[Finding]:
     v = d[col].to_numpy(float)
-    bad = (v < low) | (v > high)
+    bad = (v < low - 1e-6) | (v > high)  # the tolerance: a k3 estimate of 0 can round to -1e-9
     if not bad.any():
         return []
     severity = "error" if bad.mean() >= ERROR_SHARE else "warning"
@@ -180,7 +184,7 @@ def _outliers(seed: int, d: pd.DataFrame) -> list[Finding]:
     hit = (v > OUTLIER_RATIO * med) & (v > med + OUTLIER_SDS * sd)
     if not hit.any():
         return []
-    return [Finding("warning", "step-time outliers", seed, f"step time at steps {_show(d['step'][hit])} is up to "
+    return [Finding("warning", "step-time outliers", seed, f"step time at {_at(d['step'][hit])} is up to "
                     f"{v[hit].max() / med:.2f}x the median {med:.4g} s (validation, checkpoints, warm-up?); `mean` "
                     "summaries include them", d["step"][hit].astype(int).tolist())]
 

@@ -51,9 +51,9 @@ def plot_curves(a: RunSet, b: RunSet, r: MetricResult, path: Path) -> None:
         ax.fill_between(grid, low, high, color=color, alpha=0.2)
     if r.spec.threshold is not None:
         ax.axhline(r.spec.threshold, color="grey", ls=":", lw=1)
-    single = len(a.frames) == 1 and len(b.frames) == 1
+    what = "one run per side" if len(a.frames) == 1 and len(b.frames) == 1 else "mean and 95% CI over seeds"
     ax.set(xlabel={"step": "optimizer step", "samples": "samples consumed", "wall": "wall seconds"}[r.by],
-           ylabel=r.spec.name, title=f"{r.spec.name}: " + ("one run per side" if single else "mean and 95% CI over seeds"))
+           ylabel=r.spec.name, title=f"{r.spec.name}: {what}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -62,7 +62,7 @@ def test_non_finite_missing_steps_and_outliers():
     f = frame(y, st, grad_norm=grad).drop(index=[25, 26])  # two rows lost
     found = check.check_seed(0, f, ["reward"])
     assert ("error", "non-finite") in kinds(found)  # NaN in a compared metric
-    assert any(x.check == "non-finite" and x.severity == "warning" and "grad_norm is infinite at steps 5" in x.message
+    assert any(x.check == "non-finite" and x.severity == "warning" and "grad_norm is infinite at step 5" in x.message
                for x in found)  # inf in another column
     assert any(x.check == "missing steps" and "26-27" in x.message for x in found)
     outliers = next(x for x in found if x.check == "step-time outliers")
