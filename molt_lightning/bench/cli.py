@@ -16,6 +16,7 @@ exits with 1 when it finds an error.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -111,7 +112,14 @@ def cmd_import(args) -> int:
     seeds = [int(s) for s in args.seed_ids.split(",")] if args.seed_ids else None
     out = import_runs(args.sources, protocol, args.source_stack, args.out, args.format, args.maps, seeds,
                       args.step_key, args.devices, args.label)
-    print(f"[molt-bench] imported {len(args.sources)} source(s) into {out}")
+    from .runs import MANIFEST
+
+    imported = json.loads((out / MANIFEST).read_text())["seeds"]
+    print(f"[molt-bench] imported {len(imported)} run(s) from {len(args.sources)} source(s) into {out}")
+    for seed, info in imported.items():
+        used = ", ".join(f"{k} <- {v}" for k, v in info["columns_used"].items() if k != "step")
+        missing = f"; missing: {', '.join(info['missing_metrics'])}" if info["missing_metrics"] else ""
+        print(f"  seed {seed}: {info['imported_from']}, {info['steps']} rows; {used}{missing}")
     return 0
 
 

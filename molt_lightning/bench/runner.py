@@ -85,8 +85,11 @@ def import_runs(sources: list[Path], protocol: Protocol, stack: str, out: Path, 
                                devices=devices, per_device=spec["per_device"])
         missing = [m for m in protocol.metrics if m not in frame]
         rel = runs.write_seed(out, seed, frame)
+        if "step_time_s" not in columns and "step_time_s" in frame:
+            columns["step_time_s"] = "(wall clock between logged steps)"
+        part = name[len(Path(src).stem):].strip() if name.startswith(Path(src).stem) else f"[{name}]"
         manifest["seeds"][str(seed)] = {"status": "ok", "metrics": rel, "steps": int(len(frame)),
-                                        "imported_from": f"{src}" + (f" [{name}]" if name != Path(src).stem else ""),
+                                        "imported_from": f"{src} {part}".strip(),
                                         "columns_used": columns, "missing_metrics": missing,
                                         "repeated_steps": runs.repeated_steps(raw, columns.get("step", "step"))}
     runs.write_manifest(out, manifest)
