@@ -6,6 +6,7 @@
     molt-bench compare A B [--metric M] [--margin D|P%] [--by step|samples|wall] [--allow-diff FIELD] [--report DIR]
                            [--exclude SIDE:SEED] [--accept-check]
     molt-bench protocols        # the protocols shipped in protocols/, with fingerprints
+    molt-bench reproduce NAME [--out DIR]   # re-run a result the READMEs report (--list: which)
 
 Arguments are parsed before anything heavy is imported (``--help`` answers at once); torch, Lightning and TRL load
 only inside ``run``. Errors a user can fix (a protocol mismatch, a missing column, a bad flag) print one message
@@ -78,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "protocol's); NaN in those is an error, elsewhere a warning")
 
     sub.add_parser("protocols", help="list the shipped protocols and their fingerprints")
+
+    rp = sub.add_parser("reproduce", help="re-run a reported result (benchmarks/reported.yaml) and write its "
+                        "report next to the reported numbers")
+    rp.add_argument("name", nargs="?", help="the result's name (see --list)")
+    rp.add_argument("--list", action="store_true", help="list the reported results")
+    rp.add_argument("--out", type=Path, default=None, help="output folder (default reproductions/NAME)")
+    rp.add_argument("--registry", type=Path, default=None, help="another registry file (tests)")
     return p
 
 
@@ -162,8 +170,21 @@ def cmd_protocols(args) -> int:
     return 0
 
 
+def cmd_reproduce(args) -> int:
+    from . import reproduce
+
+    registry = args.registry or reproduce.REGISTRY
+    if args.list or not args.name:
+        print(reproduce.listing(registry))
+        return 0
+    report = reproduce.reproduce(args.name, args.out, registry)
+    print(report.read_text())
+    print(f"[molt-bench] wrote {report}")
+    return 0
+
+
 COMMANDS = {"run": cmd_run, "import": cmd_import, "check": cmd_check, "compare": cmd_compare,
-            "protocols": cmd_protocols}
+            "protocols": cmd_protocols, "reproduce": cmd_reproduce}
 
 if __name__ == "__main__":  # vLLM starts its engine core with spawn: keep the entry point guarded
     sys.exit(main())
