@@ -31,10 +31,11 @@ class ContextOverflow(RuntimeError):
 class AgentClient:
     def __init__(
         self, engine: RolloutEngine, trajectory: Trajectory, template: ChatTemplate | None,
-        temperature: float, max_context: int,
+        temperature: float, max_context: int, seed: int | None = None,
     ):
         self.engine, self.trajectory, self.template = engine, trajectory, template
         self.temperature, self.max_context = temperature, max_context
+        self.seed, self._requests = seed, 0  # request k samples with seed + k (None: the engine's shared stream)
         self._messages: list[Message] | None = None  # what the current segment's tokens render (chat mode)
         self._last_gen: list[int] = []
 
@@ -66,7 +67,10 @@ class AgentClient:
                 f"segment of {len(prompt)} tokens + max_tokens {max_tokens} exceeds max_context {self.max_context}; "
                 "start a new segment, shorten the context, or raise max_context"
             )
-        out = await self.engine.generate(prompt, Sampling(max_tokens=max_tokens, temperature=self.temperature))
+        seed = None if self.seed is None else self.seed + self._requests
+        self._requests += 1
+        out = await self.engine.generate(prompt, Sampling(max_tokens=max_tokens, temperature=self.temperature,
+                                                          seed=seed))
         if out.token_ids:
             self.trajectory.segments[-1].append(Span.policy(out.token_ids, out.logprobs, out.versions))
         if out.finish_reason == "length" and self.trajectory.status == Status.OK:

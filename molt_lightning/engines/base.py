@@ -40,6 +40,7 @@ class Sampling:
     temperature: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # keep sampling past end-of-sequence (benchmarks, tests)
+    seed: int | None = None  # this request's own random stream (None: the engine's shared one)
 
 
 class RolloutEngine(ABC):

@@ -109,6 +109,7 @@ class TorchEngine(RolloutEngine):
         out_vers = [[] for _ in range(B)]
         reasons = ["length"] * B
         alive = [m > 0 for m in max_new]
+        gens = [None if s.seed is None else torch.Generator(device=dev).manual_seed(s.seed) for _, s in requests]
         cache, seen = None, None
         while any(alive):
             self._unpaused.wait()
@@ -120,7 +121,7 @@ class TorchEngine(RolloutEngine):
                                  past_key_values=cache, use_cache=True)
             seen, cache = version, out.past_key_values
             logits = out.logits[:, -1].float()  # (B, V)
-            tok, lp = _sample(logits, temps, self.gen)  # (B,), (B,)
+            tok, lp = _sample(logits, temps, self.gen, gens)  # (B,), (B,)
             for i in range(B):
                 if not alive[i]:
                     continue
@@ -139,12 +140,18 @@ class TorchEngine(RolloutEngine):
         return [Generation(out_ids[i], out_lps[i], out_vers[i], reasons[i]) for i in range(B)]
 
 
-def _sample(logits: torch.Tensor, temps: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample per row at its temperature (0 = greedy); return tokens and their logprobs under that distribution."""
+def _sample(logits: torch.Tensor, temps: torch.Tensor, gen: torch.Generator,
+            gens: list[torch.Generator | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample per row at its temperature (0 = greedy); return tokens and their logprobs under that distribution.
+    A row with its own generator in ``gens`` (a seeded request) draws from it, the others from ``gen``."""
     greedy = temps <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]  # (B, V)
     logp = torch.log_softmax(scaled, dim=-1)  # (B, V)
-    sampled = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)  # (B,)
+    probs = logp.exp()  # (B, V)
+    sampled = torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # (B,)
+    for i, g in enumerate(gens or []):
+        if g is not None:
+            sampled[i] = torch.multinomial(probs[i], 1, generator=g)[0]
     tok = torch.where(greedy, logits.argmax(-1), sampled)  # (B,)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 

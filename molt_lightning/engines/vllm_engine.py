@@ -81,7 +81,7 @@ class VLLMEngine(RolloutEngine):
         params = SamplingParams(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, logprobs=0, detokenize=False,
             stop_token_ids=list(sampling.stop_token_ids), skip_special_tokens=False,
-            ignore_eos=sampling.ignore_eos,
+            ignore_eos=sampling.ignore_eos, seed=sampling.seed,
         )
         final = None
         async for final in self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id=uuid.uuid4().hex):
