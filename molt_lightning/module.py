@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import importlib
 import os
+import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -57,6 +59,7 @@ class AsyncRLModule(L.LightningModule):
         max_context: int | None = None,
         agent_timeout_s: float = 300.0,
         task_seed: int = 0,
+        max_failure_rate: float = 0.5,
         algo: Algorithm = Algorithm(),
         lr: float = 1e-4,
         weight_decay: float = 0.0,
@@ -79,6 +82,7 @@ class AsyncRLModule(L.LightningModule):
             max_lag: staleness bound in policy versions; 0 is synchronous on-policy training.
             temperature: sampling temperature; the trainer recomputes logprobs at the same temperature.
             max_context: longest token sequence an agent may build (default: the policy's max positions).
+            max_failure_rate: stop the run when more than this share of recent agent runs failed (1: never).
             algo: advantage estimator, loss and their knobs (``Algorithm``).
             updates_per_batch: epochs over each rollout batch (PPO epochs); PPO's ratio is then taken against the
                 policy before the batch's first update.
@@ -105,7 +109,7 @@ class AsyncRLModule(L.LightningModule):
         self.source = RolloutSource(
             agent, tasks, group_size=group_size, prompts_per_step=prompts_per_step, max_lag=max_lag,
             temperature=temperature, max_context=max_context or 0, timeout_s=agent_timeout_s, task_seed=task_seed,
-            group_filter=self.pieces.group_filter,
+            group_filter=self.pieces.group_filter, max_failure_rate=max_failure_rate,
         )
         self.policy_path: str | None = None
         self.policy: Policy | None = None  # the LM (``policy.lm``) and a value head for critic estimators
@@ -157,6 +161,7 @@ class AsyncRLModule(L.LightningModule):
     def train_dataloader(self) -> DataLoader:
         if not self._started and self.global_rank == 0:  # rank 0 owns the source and the engine (see parallel)
             self.source.max_context = self.hparams.max_context or self.policy.lm.config.max_position_embeddings
+            self.source.should_stop = lambda: bool(getattr(self.trainer, "received_sigterm", False))
             self.source.start(self.engine, self.policy_path, self.tokenizer)
             check_vocab(self.policy.lm.config, self.tokenizer, self.engine)
             self._started = True
@@ -294,12 +299,24 @@ class AsyncRLModule(L.LightningModule):
 
     # ----- checkpoints -----
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Beside Lightning's weights, optimizer and loop state: the policy version, the rollout source's position
+        (groups generated but not yet trained on are not saved: their prompts are regenerated after a resume) and
+        the random states. Agents' sampling is seeded per request (``rollout``), so it needs none of them."""
         rollout = parallel.broadcast(self.source.state_dict() if self.global_rank == 0 else None, self.trainer)
-        checkpoint["molt"] = {"policy_version": self.policy_version, "rollout": rollout}
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(),  # plain types: weights_only loading
+               "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
+        checkpoint["molt"] = {"policy_version": self.policy_version, "rollout": rollout, "rng": rng}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.policy_version = checkpoint["molt"]["policy_version"]
         self.source.load_state_dict(checkpoint["molt"]["rollout"])
+        if "rng" in checkpoint["molt"]:
+            rng = checkpoint["molt"]["rng"]
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+            name, keys, pos, has_gauss, gauss = rng["numpy"]
+            np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
 
 
 @dataclass

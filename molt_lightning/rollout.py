@@ -16,6 +16,17 @@ Staleness, bounded two ways (after AReaL's admission control, with a hard check 
 
 Failed samples (agent raised, timed out, returned a non-finite reward) are counted, logged and never trained on; the
 rest of their group still is. A group with no usable sample is dropped, counted, and its prompt is not retried.
+Each kind of failure is logged a few times, then at every power of ten (the counts are exact either way).
+
+The failure breaker: when more than ``max_failure_rate`` of the last ``failure_window`` agent runs failed, the
+source stops admitting groups and the trainer's next wait raises ``RolloutFailures`` with the most frequent
+reasons: a recipe that makes every agent fail (a context too short, a broken tool) stops within one window instead
+of cycling through the task stream forever. ``should_stop`` (the module passes "SIGTERM received") ends a wait for
+rollouts within a second, raising ``RolloutStopped``.
+
+Sampling is seeded per request: turn ``k`` of member ``j`` of prompt ``i`` samples with its own seed, derived from
+(``task_seed``, ``i``, ``j``, ``k``), so what a prompt's agents sample does not depend on which requests the engine
+batched together. With ``max_lag=0`` a run is then reproducible, including one resumed from a checkpoint.
 
 Dynamic sampling (DAPO): an optional ``group_filter(rewards) -> keep?`` sees every completed group's usable rewards;
 a rejected group is dropped and counted (``dropped_filtered_groups``/``_samples``), its prompt is done, and its
@@ -26,11 +37,13 @@ batches' worth of rejected groups in a row the source fails loudly (the task is 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
 import math
+import re
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,6 +55,15 @@ from .trajectory import Status, Trajectory
 log = logging.getLogger("molt_lightning.rollout")
 Group = list[Trajectory]
 FILTER_PATIENCE = 20  # batches' worth of consecutively rejected groups before dynamic sampling gives up
+LOGGED_PER_KIND = 5  # failures of one kind logged in full; after that only at every power of ten
+
+
+class RolloutFailures(RuntimeError):
+    """The failure breaker tripped: too many agent runs failed."""
+
+
+class RolloutStopped(RuntimeError):
+    """The run was asked to stop (SIGTERM) while the trainer waited for rollouts."""
 
 
 class RolloutSource:
@@ -57,9 +79,13 @@ class RolloutSource:
         timeout_s: float = 300.0,
         task_seed: int = 0,
         group_filter: Callable[[list[float]], bool] | None = None,
+        max_failure_rate: float = 0.5,
+        failure_window: int | None = None,
     ):
         if group_size < 1 or prompts_per_step < 1 or max_lag < 0:
             raise ValueError("group_size and prompts_per_step must be >= 1 and max_lag >= 0")
+        if not 0 < max_failure_rate <= 1:
+            raise ValueError(f"max_failure_rate must be in (0, 1] (1 turns the breaker off), got {max_failure_rate}")
         if temperature <= 0:
             raise ValueError("temperature must be > 0 for RL (greedy sampling has no logprobs to correct against)")
         self.agent, self.tasks, self.G, self.P = agent, tasks, group_size, prompts_per_step
@@ -80,6 +106,11 @@ class RolloutSource:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
         self._stopping = False
+        self.max_failure_rate = max_failure_rate
+        self.failure_window = failure_window or max(64, 2 * group_size * prompts_per_step)
+        self._recent: deque[str | None] = deque(maxlen=self.failure_window)  # None: ok, else the failure kind
+        self._failure_kinds: Counter = Counter()
+        self.should_stop: Callable[[], bool] = lambda: False
 
     # ----- lifecycle (trainer thread) -----
     def start(self, engine: RolloutEngine, model_path: str, tokenizer) -> None:
@@ -144,8 +175,14 @@ class RolloutSource:
             )
         with self._cond:
             while True:
+                if isinstance(self._error, RolloutFailures):
+                    raise self._error
                 if self._error is not None:
                     raise RuntimeError("the rollout producer died") from self._error
+                if self.should_stop():
+                    raise RolloutStopped(f"stopped while waiting for rollouts ({len(self._ready)} of {self.P} groups "
+                                         "ready); to resume, run the same command with --ckpt_path last (the "
+                                         "checkpoint callback's last.ckpt) or a checkpoint file")
                 for item in [x for x in self._ready if self._too_old(x[1], trainer_version)]:
                     self._ready.remove(item)
                     self._drop_stale(item[1], trainer_version)
@@ -225,7 +262,7 @@ class RolloutSource:
     async def _produce(self) -> None:
         try:
             prompts, order = self._prompts(), 0
-            while True:
+            while self._error is None:
                 while not self._admit():
                     self._wake.clear()
                     if not self._admit():
@@ -259,6 +296,8 @@ class RolloutSource:
             for t in group:
                 self.counts["samples"] += 1
                 self.counts[f"status_{t.status.value}"] += 1
+                self._recent.append(_kind(t.reason) if t.status == Status.FAILED else None)
+            self._breaker()
             if not usable:
                 self.counts["dropped_empty_groups"] += 1
                 self._mark_done(sample_id)
@@ -269,6 +308,20 @@ class RolloutSource:
                 self._rejected_in_a_row = 0
             self._cond.notify_all()
         self._wake.set()
+
+    def _breaker(self) -> None:
+        """Under ``self._cond``: trip when the failed share of the last ``failure_window`` runs passes the limit."""
+        failed = [k for k in self._recent if k is not None]
+        if len(self._recent) < self.failure_window or len(failed) <= self.max_failure_rate * self.failure_window:
+            return
+        if self._error is None:
+            top = "; ".join(f"{n}x {k}" for k, n in Counter(failed).most_common(3))
+            self._error = RolloutFailures(
+                f"{len(failed)} of the last {self.failure_window} agent runs failed (more than "
+                f"{self.max_failure_rate:.0%}), so the run stops instead of cycling through the task stream. Most "
+                f"frequent reasons: {top}. Fix the cause (e.g. raise model.max_context, fix the agent or its tool), "
+                "or set model.max_failure_rate (1 turns this check off).")
+            log.error("%s", self._error)
 
     def _reject(self, sample_id: int, usable: Group) -> None:
         """Dynamic sampling dropped this group (under ``self._cond``); its slot is refilled by a new prompt."""
@@ -284,7 +337,8 @@ class RolloutSource:
 
     async def _run_agent(self, sample_id: int, order: int, index: int, sample: dict) -> Trajectory:
         traj = Trajectory(sample_id=sample_id, group_id=order, info={"sample": sample, "index": index})
-        client = AgentClient(self.engine, traj, self.template, self.temperature, self.max_context)
+        client = AgentClient(self.engine, traj, self.template, self.temperature, self.max_context,
+                             seed=request_seed(self.task_seed, sample_id, index))
         try:
             result = await asyncio.wait_for(self.agent(client, sample), self.timeout_s)
         except asyncio.TimeoutError:
@@ -303,9 +357,24 @@ class RolloutSource:
         return traj
 
     def _failed(self, traj: Trajectory, reason: str) -> Trajectory:
-        if not self._stopping:
-            log.warning("sample %d failed and will not be trained on: %s", traj.sample_id, reason)
+        kind = _kind(reason)
+        self._failure_kinds[kind] += 1
+        n = self._failure_kinds[kind]
+        if not self._stopping and (n <= LOGGED_PER_KIND or math.log10(n).is_integer()):
+            log.warning("sample %d failed and will not be trained on (%d so far of this kind): %s",
+                        traj.sample_id, n, reason)
         return traj.fail(reason)
+
+
+def request_seed(task_seed: int, sample_id: int, member: int) -> int:
+    """The base seed of one agent run; its k-th request samples with ``base + k`` (see the module docstring)."""
+    digest = hashlib.blake2b(f"{task_seed}:{sample_id}:{member}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2  # leaves room for + k below 2**63
+
+
+def _kind(reason: str | None) -> str:
+    """A failure reason with its numbers blanked, to count failures of one kind together."""
+    return re.sub(r"\d+(\.\d+)?", "N", reason or "unknown")[:160]
 
 
 async def _make_event() -> asyncio.Event:
