@@ -27,6 +27,7 @@ measured by a callback as molt's monitor does; tokens/s counts policy-generated 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 import json
 import math
 import os
@@ -85,6 +86,10 @@ class _Rollouts:
         self.temperature = float(protocol.get("sampling.temperature"))
         self.template = ChatTemplate(tokenizer)
         self.by_question = {s["question"]: s for s in samples}
+        self.index_of = {}  # question -> its index in the task stream: molt's sample id, for the request seeds
+        for i, s in enumerate(samples):
+            self.index_of.setdefault(s["question"], i)
+        self.seed = seed
         self.engine = TorchEngine(seed=seed, dtype=protocol.data["model"].get("dtype", "float32"))
         self.engine.launch(model_path)
         self.max_context = self.engine.model.config.max_position_embeddings
@@ -93,13 +98,16 @@ class _Rollouts:
     def close(self) -> None:
         self.engine.release()
 
-    async def _one(self, prompt):
+    async def _one(self, prompt, member: int):
         from ...client import AgentClient
+        from ...rollout import request_seed
         from ...trajectory import Trajectory
 
-        sample = self.by_question[prompt[-1]["content"]]
-        traj = Trajectory(sample_id=0, group_id=0)
-        client = AgentClient(self.engine, traj, self.template, self.temperature, self.max_context)
+        question = prompt[-1]["content"]
+        sample, index = self.by_question[question], self.index_of[question]
+        traj = Trajectory(sample_id=index, group_id=0)
+        client = AgentClient(self.engine, traj, self.template, self.temperature, self.max_context,
+                             seed=request_seed(self.seed, index, member))  # as molt's RolloutSource seeds them
         try:
             result = await self.agent(client, sample)
             reward = float(getattr(result, "reward", result))
@@ -114,8 +122,13 @@ class _Rollouts:
         state = {k: v.detach() for k, v in model.state_dict().items()}
         self.engine.call(self.engine.update_weights(state, trainer.state.global_step))
 
+        members, seen = [], Counter()  # TRL repeats each prompt num_generations times: member j of its group
+        for p in prompts:
+            members.append(seen[p[-1]["content"]])
+            seen[p[-1]["content"]] += 1
+
         async def _all():
-            return await asyncio.gather(*[self._one(p) for p in prompts])
+            return await asyncio.gather(*[self._one(p, m) for p, m in zip(prompts, members)])
 
         out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "agent_reward": []}
         for traj, reward in self.engine.call(_all()):
