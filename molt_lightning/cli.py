@@ -3,23 +3,202 @@
 Every Trainer flag works (``--trainer.max_steps 3``); ``--trainer.strategy`` is ``auto``, ``ddp`` or ``fsdp2``
 (two CPU processes: ``--trainer.devices 2``). vLLM is imported only when an engine starts, so ``--help`` answers at
 once. The progress bar counts optimizer steps (``StepProgressBar``) unless the recipe brings its own or
-``--trainer.enable_progress_bar false``.
+``--trainer.enable_progress_bar false``. Checkpoints are written atomically, a full disk named
+(``callbacks.checkpoint.AtomicCheckpointIO``), unless the recipe brings its own ``CheckpointIO``.
+
+A bad recipe is answered before anything starts, with the problem and its fix and no traceback: jsonargparse's
+parse errors (YAML syntax, unknown keys, wrong types, dotted paths that do not import or are the wrong kind of
+class) get a ``fix:`` line (``MoltParser``); ``check_recipe`` then checks what the parser cannot (the policy folder
+and its tokenizer against its embeddings, an async agent, a plain ``tasks(seed)``, the dtype); a ``ValueError`` or
+Lightning ``MisconfigurationException`` from a constructor (sizes, ranges, names) is printed the same way.
+``JSONARGPARSE_DEBUG=1`` shows the traceback of any of them.
 """
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import inspect
+import os
+import re
 import sys
+from contextlib import contextmanager
+
+from lightning.pytorch.cli import LightningArgumentParser
+
+EXAMPLES = {  # what a parser key takes, for the fix line of its errors
+    "model.agent": "the dotted path of an `async def agent(client, sample) -> reward`, importable where molt runs "
+                   "(e.g. molt_lightning.tasks.arithmetic.calculator_agent)",
+    "model.tasks": "the dotted path of a function `tasks(seed)` returning an iterator of samples "
+                   "(e.g. molt_lightning.tasks.arithmetic.tasks)",
+    "model.engine": "a RolloutEngine class: molt_lightning.engines.VLLMEngine or molt_lightning.engines.TorchEngine "
+                    "(its arguments under init_args)",
+    "model.algo": "the fields of molt_lightning.algorithms.Algorithm (see recipes/algorithms/)",
+    "trainer.callbacks": "a list of Lightning Callback classes, each a class_path and its init_args "
+                         "(e.g. lightning.pytorch.callbacks.ModelCheckpoint, molt_lightning.callbacks.RolloutSamples)",
+    "trainer.logger": "a Lightning logger class (e.g. lightning.pytorch.loggers.CSVLogger) or false",
+    "trainer.plugins": "Lightning plugins (e.g. a CheckpointIO class)",
+}
+_UNKNOWN = re.compile(r"does not accept option '([^']+)'|unrecognized arguments: (\S+)|Option '([^']+)' is not acc")
+
+
+class MoltParser(LightningArgumentParser):
+    """LightningCLI's parser with a one-line usage (not the page of every option) and a ``fix:`` after each error."""
+
+    _reading = None  # the recipe file being read, if any
+
+    def print_usage(self, file=None) -> None:
+        if self._subcommands_action is not None:
+            return super().print_usage(file)
+        prog = self.prog.replace(" [options]", "")
+        (file or sys.stdout).write(f"usage: {prog} --config RECIPE.yaml [--trainer.KEY VALUE] [--model.KEY VALUE]\n")
+
+    def parse_path(self, path, *args, **kwargs):
+        self._reading = path  # a YAML error in it is reported while it is read: name the file
+        try:
+            return super().parse_path(path, *args, **kwargs)
+        finally:
+            self._reading = None
+
+    def error(self, message: str, ex: Exception | None = None):
+        fix = fix_for(message, getattr(ex, "subcommand_parser", None) or self)
+        if getattr(self, "_reading", None):
+            message = message.replace('"<unicode string>"', str(self._reading))
+        super().error(f"{message}\nfix: {fix}" if fix else message, ex)
+
+
+def fix_for(message: str, parser) -> str | None:
+    """The fix line for a parse error, or None when the message says it already."""
+    if message.startswith("Problems parsing config"):
+        return ("the recipe is not valid YAML at the line and column above: nest keys by indenting them under their "
+                "parent (spaces, not tabs), write `key: value`, and close every bracket and quote")
+    if m := re.match(r'Parser key "([^"]+)"', message):
+        if bad := re.search(r"class_path '([^']+)':\s+Option '([^']+)' is not accepted", message):
+            return _init_arg_fix(*bad.groups())
+        key = next((k for k in EXAMPLES if m[1] == k or m[1].startswith(k + ".")), None)
+        return f"{key} takes {EXAMPLES[key]}" if key else None
+    if m := _UNKNOWN.search(message):
+        key = next(g for g in m.groups() if g).lstrip("-").split("=")[0]
+        keys = _keys(parser)
+        leaves = difflib.get_close_matches(key.rpartition(".")[2], {k.rpartition(".")[2] for k in keys}, n=2)
+        close = difflib.get_close_matches(key, keys, n=3, cutoff=0.75) \
+            or [k for k in keys if k.rpartition(".")[2] in leaves][:3]
+        prog = parser.prog.replace(" [options]", "")
+        known = f"`{prog} --help` lists every key (a recipe nests them under trainer:, model:, seed_everything:)"
+        return f"did you mean {' or '.join(close)}? {known}" if close else known
+    return None
+
+
+def _init_arg_fix(class_path: str, arg: str) -> str:
+    """The fix for an init_args key the class does not take: the close ones it does."""
+    module, _, name = class_path.rpartition(".")
+    params = list(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
+    close = difflib.get_close_matches(arg, params, n=2, cutoff=0.7)
+    guess = f"did you mean {' or '.join(f'init_args.{c}' for c in close)}? " if close else ""
+    return f"{guess}{name} takes {', '.join(params)}"
+
+
+def _keys(parser) -> list[str]:
+    parsers = [parser, *getattr(parser._subcommands_action, "_name_parser_map", {}).values()]
+    return sorted({a.dest for p in parsers for a in p._actions if a.dest and not a.dest.endswith("help")})
+
+
+def check_recipe(model) -> None:
+    """What the parser cannot check in the model's settings (``model``: its parsed namespace); raises ``ValueError``
+    naming the setting and the fix."""
+    import torch
+
+    dtype = getattr(torch, str(model.dtype), None)
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"model.dtype {model.dtype!r} is not a torch floating-point dtype: use float32, bfloat16 or "
+                         "float16")
+    agent, tasks = model.agent, model.tasks
+    if not (inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None))):
+        raise ValueError(f"model.agent {_name(agent)} is not an async function: declare it "
+                         "`async def agent(client, sample)` (it awaits client.chat / client.generate)")
+    _check_call(agent, "model.agent", "(client, sample)", None, None)
+    if inspect.iscoroutinefunction(tasks) or inspect.isasyncgenfunction(tasks):
+        raise ValueError(f"model.tasks {_name(tasks)} is async: it must be a plain function (or generator) "
+                         "`tasks(seed)` returning an iterator of samples")
+    _check_call(tasks, "model.tasks", "(seed)", 0)
+    check_policy(model.policy)
+
+
+def _check_call(fn, key: str, params: str, *args) -> None:
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError as e:
+        raise ValueError(f"{key} {_name(fn)} must take {params}, but: {e}") from None
+    except ValueError:  # no signature to read (a builtin): it will tell at the call
+        pass
+
+
+def _name(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def check_policy(policy: str) -> str:
+    """The policy's model folder (a folder, or what the function at a dotted path returns: the function runs here, so
+    a builder caches its folder now and ``configure_model`` finds it), checked to hold a model whose tokenizer fits
+    its embeddings; raises ``ValueError`` naming the problem and the fix."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from .policy import check_vocab
+
+    what = ("give model.policy a local Hugging Face model folder (config.json, weights, tokenizer) or the dotted path "
+            "of a function returning one (e.g. molt_lightning.models.tiny.arithmetic_policy)")
+    folder = policy
+    if not os.path.isdir(policy):
+        if "/" in policy or policy.startswith(("~", ".")) or "." not in policy:
+            raise ValueError(f"model.policy {policy!r}: no such folder (a hub id is not fetched: download it to a "
+                             f"folder first): {what}")
+        module, _, attr = policy.rpartition(".")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ValueError(f"model.policy {policy!r} does not import ({e}): {what}") from None
+        if not callable(fn):
+            raise ValueError(f"model.policy {policy!r} is a {type(fn).__name__}, not a function: {what}")
+        folder = fn()
+        if not isinstance(folder, (str, os.PathLike)) or not os.path.isdir(folder):
+            raise ValueError(f"model.policy {policy!r} returned {folder!r}, not a model folder: {what}")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ValueError(f"model.policy folder {folder} has no config.json, so it is no Hugging Face model folder: "
+                         "save one there with model.save_pretrained(folder) and tokenizer.save_pretrained(folder)")
+    check_vocab(AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder))
+    return str(folder)
 
 
 def main(args: list[str] | None = None) -> None:
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.plugins import CheckpointIO
 
     from .callbacks import StepProgressBar
+    from .callbacks.checkpoint import AtomicCheckpointIO
     from .module import AsyncRLModule
     from .parallel import STRATEGIES, SUPPORTED
 
     class MoltCLI(LightningCLI):
+        def before_instantiate_classes(self) -> None:
+            if self.subcommand is not None:
+                with self._answered():
+                    check_recipe(self.config[self.subcommand].model)
+
+        def instantiate_classes(self) -> None:
+            with self._answered():
+                super().instantiate_classes()
+
+        @contextmanager
+        def _answered(self):
+            """A recipe error raised inside becomes the parser's error message (problem and fix, no traceback)."""
+            try:
+                yield
+            except (ValueError, MisconfigurationException) as e:
+                parser = self._subcommand_parsers[self.subcommand] if self.subcommand else self.parser
+                parser.error(str(e), e)
+
         def instantiate_trainer(self, **kwargs):
             trainer = self._get(self.config_init, "trainer", default={})
             strategy = trainer.get("strategy")
@@ -30,15 +209,21 @@ def main(args: list[str] | None = None) -> None:
             if trainer.get("enable_progress_bar") is not False \
                     and not any(isinstance(c, ProgressBar) for c in callbacks):
                 kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+            plugins = trainer.get("plugins") or []
+            plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+            if isinstance(strategy, str) and not any(isinstance(p, CheckpointIO) for p in plugins):
+                kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
             return super().instantiate_trainer(**kwargs)
 
     MoltCLI(
         AsyncRLModule,
         save_config_kwargs={"overwrite": True},
+        parser_class=MoltParser,
+        parser_kwargs={"prog": "molt"},  # also under python -m molt_lightning.cli
         args=args,
         auto_configure_optimizers=False,
     )
 
 
 if __name__ == "__main__":  # vLLM's engine core starts with spawn: keep the entry point guarded
-    main(sys.argv[1:])
+    main()  # LightningCLI reads sys.argv itself (given them as args too, it warns that both were given)

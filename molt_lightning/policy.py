@@ -102,8 +102,11 @@ def logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, temperat
 def check_vocab(config, tokenizer, engine=None) -> None:
     """The tokenizer's ids must fit the policy's embeddings, and the engine must sample from the same vocabulary."""
     if len(tokenizer) > config.vocab_size:
-        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the policy's vocabulary is "
-                         f"{config.vocab_size}: resize the embeddings (model.resize_token_embeddings) and save again")
+        where = f" in {config._name_or_path}" if getattr(config, "_name_or_path", "") else ""
+        raise ValueError(f"the tokenizer{where} has {len(tokenizer)} tokens but the policy's embeddings hold "
+                         f"{config.vocab_size} (config.vocab_size): they belong to different models, or tokens were "
+                         f"added without resizing. Save the model's own tokenizer beside it, or resize the embeddings "
+                         f"(model.resize_token_embeddings(len(tokenizer))) and save both again")
     engine_vocab = getattr(engine, "vocab_size", None)
     if engine_vocab is not None and engine_vocab != config.vocab_size:
         raise ValueError(f"the engine serves a vocabulary of {engine_vocab} tokens, the policy has "
