@@ -154,7 +154,7 @@ def _check_policy_span(span: Span, sample_id: int, max_version: int | None) -> N
         raise ConsistencyError(f"sample {sample_id}: policy tokens without a full engine record (logprob, version)")
     if not all(math.isfinite(x) and x <= 1e-4 for x in span.logprobs):
         raise ConsistencyError(f"sample {sample_id}: engine logprobs must be finite and <= 0, got {span.logprobs}")
-    if min(span.versions) < 0 or (max_version is not None and max(span.versions) > max_version):
+    if n and (min(span.versions) < 0 or (max_version is not None and max(span.versions) > max_version)):
         raise ConsistencyError(
             f"sample {sample_id}: token versions {sorted(set(span.versions))} outside [0, trainer {max_version}]"
         )
