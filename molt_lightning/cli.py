@@ -215,14 +215,23 @@ def main(args: list[str] | None = None) -> None:
                 kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
             return super().instantiate_trainer(**kwargs)
 
-    MoltCLI(
-        AsyncRLModule,
-        save_config_kwargs={"overwrite": True},
-        parser_class=MoltParser,
-        parser_kwargs={"prog": "molt"},  # also under python -m molt_lightning.cli
-        args=args,
-        auto_configure_optimizers=False,
-    )
+    from .rollout import RolloutFailures, RolloutStopped
+
+    try:
+        MoltCLI(
+            AsyncRLModule,
+            save_config_kwargs={"overwrite": True},
+            parser_class=MoltParser,
+            parser_kwargs={"prog": "molt"},  # also under python -m molt_lightning.cli
+            args=args,
+            auto_configure_optimizers=False,
+        )
+    except RolloutStopped as e:  # SIGTERM while waiting for rollouts: the engine is shut down by now
+        print(f"molt: {e}", file=sys.stderr)
+        sys.exit(128 + 15)
+    except RolloutFailures as e:  # the failure breaker
+        print(f"molt: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":  # vLLM's engine core starts with spawn: keep the entry point guarded
