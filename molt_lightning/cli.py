@@ -19,7 +19,6 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-import os
 import re
 import sys
 from contextlib import contextmanager
@@ -108,6 +107,8 @@ def check_recipe(model) -> None:
     naming the setting and the fix."""
     import torch
 
+    from .policy import policy_folder
+
     dtype = getattr(torch, str(model.dtype), None)
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"model.dtype {model.dtype!r} is not a torch floating-point dtype: use float32, bfloat16 or "
@@ -121,7 +122,7 @@ def check_recipe(model) -> None:
         raise ValueError(f"model.tasks {_name(tasks)} is async: it must be a plain function (or generator) "
                          "`tasks(seed)` returning an iterator of samples")
     _check_call(tasks, "model.tasks", "(seed)", 0)
-    check_policy(model.policy)
+    policy_folder(model.policy)
 
 
 def _check_call(fn, key: str, params: str, *args) -> None:
@@ -135,38 +136,6 @@ def _check_call(fn, key: str, params: str, *args) -> None:
 
 def _name(fn) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
-
-
-def check_policy(policy: str) -> str:
-    """The policy's model folder (a folder, or what the function at a dotted path returns: the function runs here, so
-    a builder caches its folder now and ``configure_model`` finds it), checked to hold a model whose tokenizer fits
-    its embeddings; raises ``ValueError`` naming the problem and the fix."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from .policy import check_vocab
-
-    what = ("give model.policy a local Hugging Face model folder (config.json, weights, tokenizer) or the dotted path "
-            "of a function returning one (e.g. molt_lightning.models.tiny.arithmetic_policy)")
-    folder = policy
-    if not os.path.isdir(policy):
-        if "/" in policy or policy.startswith(("~", ".")) or "." not in policy:
-            raise ValueError(f"model.policy {policy!r}: no such folder (a hub id is not fetched: download it to a "
-                             f"folder first): {what}")
-        module, _, attr = policy.rpartition(".")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ValueError(f"model.policy {policy!r} does not import ({e}): {what}") from None
-        if not callable(fn):
-            raise ValueError(f"model.policy {policy!r} is a {type(fn).__name__}, not a function: {what}")
-        folder = fn()
-        if not isinstance(folder, (str, os.PathLike)) or not os.path.isdir(folder):
-            raise ValueError(f"model.policy {policy!r} returned {folder!r}, not a model folder: {what}")
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise ValueError(f"model.policy folder {folder} has no config.json, so it is no Hugging Face model folder: "
-                         "save one there with model.save_pretrained(folder) and tokenizer.save_pretrained(folder)")
-    check_vocab(AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder))
-    return str(folder)
 
 
 def main(args: list[str] | None = None) -> None:

@@ -13,10 +13,15 @@ gathered for it. ``forward`` returns a plain tuple (FSDP2 hooks the backward pas
 
 Written by hand because no library computes masked, chunked, temperature-scaled token logprobs and entropies with a
 checkpointed head (Liger's fused linear cross-entropy is CUDA/Triton; TRL and verl materialize the logits).
+
+Before any of it, ``policy_folder`` resolves ``model.policy`` (a folder, or a function that returns one) and
+``check_vocab`` checks the tokenizer against the embeddings (and the engine's vocabulary): each error names the fix.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -111,3 +116,34 @@ def check_vocab(config, tokenizer, engine=None) -> None:
     if engine_vocab is not None and engine_vocab != config.vocab_size:
         raise ValueError(f"the engine serves a vocabulary of {engine_vocab} tokens, the policy has "
                          f"{config.vocab_size}: start the engine from the policy's own folder")
+
+
+def policy_folder(policy: str) -> str:
+    """The model folder of ``policy`` (a folder, or what the function at that dotted path returns: a builder such as
+    ``models.tiny.arithmetic_policy`` makes or finds its cached folder), checked to hold a model whose tokenizer fits
+    its embeddings; raises ``ValueError`` naming the problem and the fix. ``molt fit`` calls it before anything
+    starts (``cli.check_recipe``)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    what = ("give model.policy a local Hugging Face model folder (config.json, weights, tokenizer) or the dotted path "
+            "of a function returning one (e.g. molt_lightning.models.tiny.arithmetic_policy)")
+    folder = policy
+    if not os.path.isdir(policy):
+        if "/" in policy or policy.startswith(("~", ".")) or "." not in policy:
+            raise ValueError(f"model.policy {policy!r}: no such folder (a hub id is not fetched: download it to a "
+                             f"folder first): {what}")
+        module, _, attr = policy.rpartition(".")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ValueError(f"model.policy {policy!r} does not import ({e}): {what}") from None
+        if not callable(fn):
+            raise ValueError(f"model.policy {policy!r} is a {type(fn).__name__}, not a function: {what}")
+        folder = fn()
+        if not isinstance(folder, (str, os.PathLike)) or not os.path.isdir(folder):
+            raise ValueError(f"model.policy {policy!r} returned {folder!r}, not a model folder: {what}")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ValueError(f"model.policy folder {folder} has no config.json, so it is no Hugging Face model folder: "
+                         "save one there with model.save_pretrained(folder) and tokenizer.save_pretrained(folder)")
+    check_vocab(AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder))
+    return str(folder)
