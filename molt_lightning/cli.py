@@ -145,7 +145,7 @@ def main(args: list[str] | None = None) -> None:
     from lightning.pytorch.plugins import CheckpointIO
 
     from .callbacks import StepProgressBar
-    from .callbacks.checkpoint import AtomicCheckpointIO
+    from .callbacks.checkpoint import AtomicCheckpointIO, DiskFull
     from .module import AsyncRLModule
     from .parallel import STRATEGIES, SUPPORTED
 
@@ -200,6 +200,9 @@ def main(args: list[str] | None = None) -> None:
         sys.exit(128 + 15)
     except RolloutFailures as e:  # the failure breaker
         print(f"molt: {e}", file=sys.stderr)
+        sys.exit(1)
+    except DiskFull as e:  # a checkpoint did not fit; the earlier ones are intact
+        print(f"molt: {e.strerror}", file=sys.stderr)
         sys.exit(1)
 
 

@@ -183,7 +183,7 @@ def test_a_tokenizer_larger_than_the_embeddings(tmp_path, policy_path, tokenizer
 
 # ----- a full disk when checkpointing -----
 def test_a_full_disk_names_the_folder_the_space_and_the_fix_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
-    from molt_lightning.callbacks.checkpoint import AtomicCheckpointIO
+    from molt_lightning.callbacks.checkpoint import AtomicCheckpointIO, DiskFull
 
     io, ckpt = AtomicCheckpointIO(), tmp_path / "ckpt"
     io.save_checkpoint({"step": 1, "w": torch.ones(4)}, ckpt / "last.ckpt")
@@ -195,15 +195,17 @@ def test_a_full_disk_names_the_folder_the_space_and_the_fix_and_keeps_the_last_c
     with pytest.raises(OSError) as e:
         io.save_checkpoint({"step": 2, "w": torch.zeros(4)}, ckpt / "last.ckpt")
     msg = str(e.value)
-    assert e.value.errno == errno.ENOSPC and f"no space left in {ckpt} for checkpoint last.ckpt" in msg
+    assert isinstance(e.value, DiskFull) and e.value.errno == errno.ENOSPC
+    assert f"no space left in {ckpt} for checkpoint last.ckpt" in msg
     assert "MiB free there" in msg and "point the checkpoints at a larger disk" in msg and "save_top_k" in msg
     assert f"resume with --ckpt_path {ckpt / 'last.ckpt'}" in msg
     assert torch.load(ckpt / "last.ckpt")["step"] == 1  # the last good checkpoint, whole
     assert sorted(p.name for p in ckpt.iterdir()) == ["last.ckpt"]  # no partial file left behind
 
 
-def test_molt_fit_stops_on_a_full_disk_with_that_message(recipe, tmp_path, monkeypatch):
-    """Through Lightning: the CLI installs the atomic writer, the second save fails, the first stays loadable."""
+def test_molt_fit_stops_on_a_full_disk_with_that_message(recipe, tmp_path, monkeypatch, capsys):
+    """Through Lightning: the CLI installs the atomic writer, the second save fails (one line, exit 1), the first
+    stays loadable."""
     ckpt = tmp_path / "ckpt"
     calls = []
 
@@ -213,11 +215,13 @@ def test_molt_fit_stops_on_a_full_disk_with_that_message(recipe, tmp_path, monke
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "fsync", fill_up)
-    with pytest.raises(OSError, match=f"no space left in {ckpt} for checkpoint"):
+    with pytest.raises(SystemExit) as stop:
         main(["fit", "--config", recipe, "--trainer.max_steps", "2", "--trainer.enable_checkpointing", "true",
               "--trainer.callbacks+", "lightning.pytorch.callbacks.ModelCheckpoint",
               "--trainer.callbacks.dirpath", str(ckpt), "--trainer.callbacks.every_n_train_steps", "1",
               "--trainer.callbacks.save_top_k", "-1"])
+    assert stop.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"molt: no space left in {ckpt} for checkpoint")
     [kept] = ckpt.iterdir()
     assert kept.name == "epoch=0-step=1.ckpt" and torch.load(kept, weights_only=False)["global_step"] == 1
 
@@ -245,6 +249,6 @@ def test_a_really_full_disk(recipe, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert "rc=1" in out.stdout, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"OSError: [Errno 28] no space left in {disk} for checkpoint epoch=0-step=2.ckpt")
+    assert last.startswith(f"molt: no space left in {disk} for checkpoint epoch=0-step=2.ckpt")
     assert "MiB free there" in last and "Free space there" in last
-    assert "kept 1" in out.stdout and ".partial" not in out.stdout
+    assert "Traceback" not in out.stderr and "kept 1" in out.stdout and ".partial" not in out.stdout

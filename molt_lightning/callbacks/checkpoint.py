@@ -5,8 +5,9 @@ temp folder; committing it to another filesystem is a copy over the destination,
 leaves a truncated checkpoint under the final name (an existing ``last.ckpt`` is overwritten in place), and a full
 ``/tmp`` fails a save to a roomy disk. Here the bytes go to a hidden ``.NAME.partial`` in the checkpoint's own folder,
 are flushed to the disk, and replace the final path in one ``os.replace``: a failed write removes its partial file
-and leaves every earlier checkpoint as it was. A full disk (or quota) raises an ``OSError`` naming the folder, the
-checkpoint's size, the space left and the fixes, and the run stops there.
+and leaves every earlier checkpoint as it was. A full disk (or quota) raises ``DiskFull`` (an ``OSError``) naming
+the folder, the checkpoint's size, the space left and the fixes; the run stops there (``molt fit``: that one line,
+exit 1).
 
 ``molt fit`` installs it unless the recipe brings its own ``CheckpointIO``; a Trainer built in Python takes
 ``plugins=[AtomicCheckpointIO()]``. Remote paths (``s3://``...) go through Lightning's writer; FSDP2's sharded
@@ -27,6 +28,10 @@ from lightning.pytorch.plugins import TorchCheckpointIO
 MiB = 2**20
 
 
+class DiskFull(OSError):
+    """No space (or quota) left for a checkpoint; ``strerror`` says where, how much and what to do."""
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
         if storage_options is not None or "://" in str(path):
@@ -45,7 +50,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except OSError as e:
             partial.unlink(missing_ok=True)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise OSError(e.errno, disk_full(path, data.getbuffer().nbytes)) from e
+                raise DiskFull(e.errno, disk_full(path, data.getbuffer().nbytes)) from e
             raise
 
 
