@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from molt_lightning.module import resolve_policy
+from molt_lightning.policy import policy_folder
 from molt_lightning.parallel import full_state_buckets
 
 from train_step import POLICIES  # noqa: E402  (benchmarks/ is the script's folder)
@@ -52,7 +52,7 @@ def main() -> None:
     torch.set_num_threads(1)  # the trainer's share in the recipes; vLLM runs on the other core
     rows = []
     for pol in a.policies.split(","):
-        path = resolve_policy(POLICIES[pol])
+        path = policy_folder(POLICIES[pol])
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         params = dict(lm.named_parameters())
         nbytes = sum(p.numel() * p.element_size() for p in params.values())

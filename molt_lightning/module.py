@@ -21,8 +21,6 @@ Everything else (weight sync, rollout metrics, the reward plot) is a callback.
 
 from __future__ import annotations
 
-import importlib
-import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -39,7 +37,7 @@ from .algorithms import AdvantageInputs, Algorithm, LossInputs, build, objective
 from .algorithms.objective import Norm
 from .batching import MiniBatch, StepMetrics, padding_frac, plan, rows_of
 from .engines.base import RolloutEngine
-from .policy import Policy, check_vocab
+from .policy import Policy, check_vocab, policy_folder
 from .rollout import RolloutSource
 from .tasks import arithmetic
 from .trajectory import Batch, collate
@@ -96,8 +94,11 @@ class AsyncRLModule(L.LightningModule):
         """
         super().__init__()
         self.save_hyperparameters(ignore=["engine", "agent", "tasks"])
-        if updates_per_batch < 1 or mini_batches < 1 or (micro_batch_tokens is not None and micro_batch_tokens < 1):
-            raise ValueError("updates_per_batch and mini_batches must be >= 1, micro_batch_tokens >= 1 or None")
+        for name, value in (("updates_per_batch", updates_per_batch), ("mini_batches", mini_batches),
+                            ("logit_chunk_tokens", logit_chunk_tokens), ("micro_batch_tokens", micro_batch_tokens or 1),
+                            ("sync_bucket_mb", sync_bucket_mb)):
+            if value < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {value}")
         self.automatic_optimization = False
         self.algo = algo
         self.pieces = build(algo)  # the recipe's estimator, loss, shaping and group filter, resolved once
@@ -128,7 +129,7 @@ class AsyncRLModule(L.LightningModule):
 
         if self.hparams.torch_threads:
             torch.set_num_threads(self.hparams.torch_threads)
-        self.policy_path = resolve_policy(self.hparams.policy)
+        self.policy_path = policy_folder(self.hparams.policy)
         self.tokenizer = AutoTokenizer.from_pretrained(self.policy_path)
         dtype = getattr(torch, self.hparams.dtype)
         lm = AutoModelForCausalLM.from_pretrained(self.policy_path, dtype=dtype)
@@ -371,15 +372,3 @@ class _BatchStream(IterableDataset):
 
 def _identity(x):
     return x
-
-
-def resolve_policy(policy: str) -> str:
-    """A model folder as it is, or the folder returned by the function at a dotted path."""
-    if os.path.isdir(policy):
-        return policy
-    module, _, attr = policy.rpartition(".")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"policy {policy!r} is neither a model folder nor an importable function: {e}") from e
-    return str(fn())

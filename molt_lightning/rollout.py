@@ -82,8 +82,10 @@ class RolloutSource:
         max_failure_rate: float = 0.5,
         failure_window: int | None = None,
     ):
-        if group_size < 1 or prompts_per_step < 1 or max_lag < 0:
-            raise ValueError("group_size and prompts_per_step must be >= 1 and max_lag >= 0")
+        for name, value, least in (("group_size", group_size, 1), ("prompts_per_step", prompts_per_step, 1),
+                                   ("max_lag", max_lag, 0)):
+            if value < least:
+                raise ValueError(f"model.{name} must be >= {least}, got {value}")
         if not 0 < max_failure_rate <= 1:
             raise ValueError(f"max_failure_rate must be in (0, 1] (1 turns the breaker off), got {max_failure_rate}")
         if temperature <= 0:

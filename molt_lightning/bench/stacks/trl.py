@@ -164,12 +164,12 @@ def run_seed(protocol, seed: int, workdir: Path, options: dict):
     from datasets import Dataset
     from transformers import AutoTokenizer, PrinterCallback, TrainerCallback, set_seed
 
-    from ...module import resolve_policy
+    from ...policy import policy_folder
     from .. import importers, runs
 
     p = protocol.data
     P, G, steps = int(p["batch"]["prompts_per_step"]), int(p["batch"]["samples_per_prompt"]), int(p["steps"])
-    model_path = resolve_policy(p["model"]["policy"])
+    model_path = policy_folder(p["model"]["policy"])
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     tokenizer.padding_side = "left"
     stream = dotted(p["task"]["tasks"])(seed)
