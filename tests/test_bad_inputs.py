@@ -40,7 +40,8 @@ def no_pytest_argv(monkeypatch):
 @pytest.fixture
 def recipe(tmp_path, policy_path):
     path = tmp_path / "recipe.yaml"
-    path.write_text(FAST + f"  policy: {policy_path}\n")
+    root = f"enable_progress_bar: false, default_root_dir: {tmp_path}}}"  # where LightningCLI puts config.yaml
+    path.write_text(FAST.replace("enable_progress_bar: false}", root) + f"  policy: {policy_path}\n")
     return str(path)
 
 
