@@ -9,6 +9,11 @@ resets the prefix cache with ``reset_running_requests=True``: requests in flight
 recomputed under the new weights. So every token tagged version v was sampled from policy v given its whole context;
 neither stale prefix-cache entries nor an in-flight request's old KV leak the previous weights into it.
 
+Requests are not seeded one by one (``Sampling.seed`` is ignored here): with a seeded request, vLLM's CPU path
+fails once a prompt's prefill is split across scheduler steps ("CPU Generator does not use offset", then a dead
+engine), which depends on timing. vLLM runs therefore sample from the engine's seeded stream, as before; per-request
+reproducibility is the torch engine's.
+
 vLLM is imported only in ``start``: importing this module is cheap.
 """
 
@@ -81,7 +86,7 @@ class VLLMEngine(RolloutEngine):
         params = SamplingParams(
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, logprobs=0, detokenize=False,
             stop_token_ids=list(sampling.stop_token_ids), skip_special_tokens=False,
-            ignore_eos=sampling.ignore_eos, seed=sampling.seed,
+            ignore_eos=sampling.ignore_eos,  # no per-request seed: see the module docstring
         )
         final = None
         async for final in self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id=uuid.uuid4().hex):
