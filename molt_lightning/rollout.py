@@ -24,9 +24,10 @@ reasons: a recipe that makes every agent fail (a context too short, a broken too
 of cycling through the task stream forever. ``should_stop`` (the module passes "SIGTERM received") ends a wait for
 rollouts within a second, raising ``RolloutStopped``.
 
-Sampling is seeded per request: turn ``k`` of member ``j`` of prompt ``i`` samples with its own seed, derived from
+Sampling is seeded per request: turn ``k`` of member ``j`` of prompt ``i`` asks for its own seed, derived from
 (``task_seed``, ``i``, ``j``, ``k``), so what a prompt's agents sample does not depend on which requests the engine
-batched together. With ``max_lag=0`` a run is then reproducible, including one resumed from a checkpoint.
+batched together. With the torch engine and ``max_lag=0`` a run is then reproducible, including one resumed from a
+checkpoint (vLLM ignores the seeds: see ``engines.vllm_engine``).
 
 Dynamic sampling (DAPO): an optional ``group_filter(rewards) -> keep?`` sees every completed group's usable rewards;
 a rejected group is dropped and counted (``dropped_filtered_groups``/``_samples``), its prompt is done, and its
