@@ -1,18 +1,12 @@
 #!/usr/bin/env bash
-# Reproduce the README's reported results inside a container (or on a set-up machine):
-#  1. the default training run (reward per step as CSV + PNG under runs/default/),
-#  2. the loop-overlap benchmark table (synchronous vs asynchronous, core split),
-# and print where the artefacts are. RECIPE overrides the recipe (recipes/default_gpu.yaml in the GPU image).
+# The CPU image's default command: reproduce reported results inside the container (or on a set-up machine) with
+# `molt-bench reproduce`, each report written next to the reported numbers under reproductions/NAME/report.md.
+#   RESULTS="default-run loop-overlap" (default) picks which; `molt-bench reproduce --list` shows them all.
+# In the GPU image run the GPU recipe instead: RECIPE=recipes/default_gpu.yaml (a plain `molt fit`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1
-RECIPE=${RECIPE:-recipes/default.yaml}
-.venv/bin/molt fit --config "$RECIPE"
-run_dir=$(ls -dt runs/default/version_* | head -1)
-.venv/bin/python - "$run_dir" <<'PY'
-import sys, pandas as pd
-df = pd.read_csv(f"{sys.argv[1]}/metrics.csv").groupby("step").first()
-print(f"reward: first 5 steps {df['reward'].iloc[:5].mean():.3f}, last 10 steps {df['reward'].iloc[-10:].mean():.3f}")
-print(f"artefacts: {sys.argv[1]}/metrics.csv, {sys.argv[1]}/reward.png")
-PY
-if [ "$RECIPE" = recipes/default.yaml ]; then .venv/bin/python benchmarks/loop_overlap.py --steps 30; fi
+if [ -n "${RECIPE:-}" ]; then exec .venv/bin/molt fit --config "$RECIPE"; fi
+for name in ${RESULTS:-default-run loop-overlap}; do
+  .venv/bin/molt-bench reproduce "$name"
+done
