@@ -67,6 +67,15 @@ def trained(path: Path) -> int:
     return sum(r["event"] == "train" for r in audit.read(str(path))) if path.exists() else 0
 
 
+def waiting_for_rollouts(proc: subprocess.Popen, folder: Path, timeout: float = 240) -> None:
+    """Return once ``proc`` trained 2 steps and its agents have been asleep for a second (see slow_agents)."""
+    deadline = time.time() + timeout
+    while trained(folder / "audit.jsonl") < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    time.sleep(1.0)
+
+
 def checkpoints(path: Path) -> int:
     return sum(r["event"] == "checkpoint" for r in audit.read(str(path))) if path.exists() else 0
 
@@ -124,10 +133,7 @@ def test_sigterm_while_waiting_for_rollouts_stops_cleanly_and_resumes(tmp_path):
     # every agent sleeps after the first 2 steps' prompts: the trainer is left waiting for rollouts
     config = recipe(tmp_path, steps=4, extra="  agent: slow_agents.sleepy_after_4_prompts")
     proc = start(config)
-    deadline = time.time() + 240
-    while trained(tmp_path / "audit.jsonl") < 2 and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    time.sleep(1.0)  # step 3's agents are asleep now
+    waiting_for_rollouts(proc, tmp_path)
     t0 = time.time()
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=30)
@@ -146,10 +152,7 @@ def test_sigterm_while_waiting_for_rollouts_stops_cleanly_and_resumes(tmp_path):
 def test_ctrl_c_while_waiting_for_rollouts_stops_within_seconds(tmp_path):
     config = recipe(tmp_path, steps=4, extra="  agent: slow_agents.sleepy_after_4_prompts")
     proc = start(config)
-    deadline = time.time() + 240
-    while trained(tmp_path / "audit.jsonl") < 2 and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    time.sleep(1.0)
+    waiting_for_rollouts(proc, tmp_path)
     t0 = time.time()
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
@@ -163,11 +166,7 @@ def test_sigterm_with_the_vllm_engine_leaves_no_process_behind(tmp_path):
     extra = ("  agent: slow_agents.sleepy_after_4_prompts\n"
              "  engine: {class_path: molt_lightning.engines.VLLMEngine, init_args: {dtype: float32, seed: 0}}")
     proc = start(recipe(tmp_path, steps=4, extra=extra))
-    deadline = time.time() + 400
-    while trained(tmp_path / "audit.jsonl") < 2 and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.1)
-    assert proc.poll() is None, proc.communicate()[0][-3000:]
-    time.sleep(1.0)
+    waiting_for_rollouts(proc, tmp_path, timeout=400)
     family = psutil.Process(proc.pid).children(recursive=True)
     assert family  # vLLM's engine core runs in a child process
     t0 = time.time()
