@@ -28,6 +28,8 @@ from lightning.pytorch.cli import LightningArgumentParser
 EXAMPLES = {  # what a parser key takes, for the fix line of its errors
     "model.agent": "the dotted path of an `async def agent(client, sample) -> reward`, importable where molt runs "
                    "(e.g. molt_lightning.tasks.arithmetic.calculator_agent)",
+    "model.environment": "the dotted path of a molt_lightning.envs.Environment subclass "
+                         "(e.g. molt_lightning.tasks.arithmetic_env.CalculatorEnv)",
     "model.tasks": "the dotted path of a function `tasks(seed)` returning an iterator of samples "
                    "(e.g. molt_lightning.tasks.arithmetic.tasks)",
     "model.engine": "a RolloutEngine class: molt_lightning.engines.VLLMEngine or molt_lightning.engines.TorchEngine "
@@ -118,6 +120,10 @@ def check_recipe(model) -> None:
         raise ValueError(f"model.agent {_name(agent)} is not an async function: declare it "
                          "`async def agent(client, sample)` (it awaits client.chat / client.generate)")
     _check_call(agent, "model.agent", "(client, sample)", None, None)
+    if model.get("environment") is not None:
+        from .envs import check_environment
+
+        check_environment(model.environment, model.get("env_kwargs"))
     if inspect.iscoroutinefunction(tasks) or inspect.isasyncgenfunction(tasks):
         raise ValueError(f"model.tasks {_name(tasks)} is async: it must be a plain function (or generator) "
                          "`tasks(seed)` returning an iterator of samples")

@@ -37,6 +37,7 @@ from .algorithms import AdvantageInputs, Algorithm, LossInputs, build, objective
 from .algorithms.objective import Norm
 from .batching import MiniBatch, StepMetrics, padding_frac, plan, rows_of
 from .engines.base import RolloutEngine
+from .envs import env_agent
 from .policy import Policy, check_vocab, policy_folder
 from .rollout import RolloutSource
 from .tasks import arithmetic
@@ -48,6 +49,10 @@ class AsyncRLModule(L.LightningModule):
         self,
         policy: str = "molt_lightning.models.tiny.arithmetic_policy",
         agent: Callable = arithmetic.calculator_agent,
+        environment: type | None = None,
+        env_kwargs: dict | None = None,
+        env_max_turns: int = 8,
+        env_max_tokens: int = 64,
         tasks: Callable = arithmetic.tasks,
         engine: RolloutEngine | None = None,
         group_size: int = 8,
@@ -75,6 +80,9 @@ class AsyncRLModule(L.LightningModule):
         Args:
             policy: a Hugging Face model folder, or the dotted path of a function that returns one.
             agent: ``async def agent(client, sample) -> float | AgentResult`` (dotted path in a recipe).
+            environment: instead of ``agent``, an ``envs.Environment`` class (dotted path in a recipe): the agent is
+                then ``envs.env_agent(environment, env_max_turns, env_max_tokens, env_kwargs)``, one
+                ``environment(**env_kwargs)`` per run, at most ``env_max_turns`` replies of ``env_max_tokens``.
             tasks: ``tasks(seed) -> iterator of samples``; each sample is handed to ``group_size`` agent runs.
             engine: the rollout engine (``VLLMEngine``, ``TorchEngine``, ...); default ``TorchEngine()``.
             max_lag: staleness bound in policy versions; 0 is synchronous on-policy training.
@@ -93,7 +101,7 @@ class AsyncRLModule(L.LightningModule):
             sync_bucket_mb: weight sync gathers and sends the parameters in buckets of about this size.
         """
         super().__init__()
-        self.save_hyperparameters(ignore=["engine", "agent", "tasks"])
+        self.save_hyperparameters(ignore=["engine", "agent", "tasks", "environment"])
         for name, value in (("updates_per_batch", updates_per_batch), ("mini_batches", mini_batches),
                             ("logit_chunk_tokens", logit_chunk_tokens), ("micro_batch_tokens", micro_batch_tokens or 1),
                             ("sync_bucket_mb", sync_bucket_mb)):
@@ -107,6 +115,11 @@ class AsyncRLModule(L.LightningModule):
 
             engine = TorchEngine()
         self.engine = engine
+        if environment is not None:
+            if agent is not arithmetic.calculator_agent:
+                raise ValueError("model.agent and model.environment are both set: give one of them (drop model.agent: "
+                                 "an environment's agent is molt_lightning.envs.env_agent)")
+            agent = env_agent(environment, env_max_turns, env_max_tokens, env_kwargs)
         self.source = RolloutSource(
             agent, tasks, group_size=group_size, prompts_per_step=prompts_per_step, max_lag=max_lag,
             temperature=temperature, max_context=max_context or 0, timeout_s=agent_timeout_s, task_seed=task_seed,

@@ -1,0 +1,324 @@
+"""Gym-style environments (``molt_lightning.envs``): trained end to end through ``AsyncRLModule(environment=...)``,
+observations as context never trained on, summed rewards, ``close`` after every episode (a raising one too),
+``max_turns`` truncation, ``CalculatorEnv`` token for token the same as ``calculator_agent``, the recipe through the
+CLI, and the bad inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pandas as pd
+import pytest
+import torch
+
+from molt_lightning.chat import ChatTemplate
+from molt_lightning.cli import main
+from molt_lightning.client import AgentClient
+from molt_lightning.engines import TorchEngine
+from molt_lightning.engines.base import Generation, RolloutEngine
+from molt_lightning.envs import Environment, Step, env_agent
+from molt_lightning.module import AsyncRLModule
+from molt_lightning.rollout import request_seed
+from molt_lightning.tasks import arithmetic
+from molt_lightning.tasks.arithmetic_env import MAX_TOKENS, MAX_TURNS, CalculatorEnv
+from molt_lightning.trajectory import Kind, Status, Trajectory
+
+ROOT = Path(__file__).resolve().parents[1]
+EPISODES: dict[int, dict] = {}  # what every ScoredEnv saw, by episode id (envs run on the engine's loop thread)
+_ids = itertools.count()
+
+
+class ScoredEnv(Environment):
+    """Episodes of ``1 + id % 3`` replies (whatever they say): 0.25 per non-final step, 1.0 for the last one, the
+    observation ``turn k of episode e`` in between. With ``fail_every`` n, the step of every n-th episode raises."""
+
+    def __init__(self, fail_every: int = 0):
+        self.id, self.fail_every = next(_ids), fail_every
+        self.record = EPISODES[self.id] = {"rewards": [], "observations": [], "closed": 0, "raised": False}
+
+    async def reset(self, sample):
+        self.length = 1 + self.id % 3
+        return sample["question"]
+
+    async def step(self, action):
+        rec = self.record
+        if self.fail_every and self.id % self.fail_every == 0:
+            rec["raised"] = True
+            raise RuntimeError("step broke")
+        done = len(rec["rewards"]) + 1 >= self.length
+        rec["rewards"].append(1.0 if done else 0.25)
+        if not done:
+            rec["observations"].append(f"turn {len(rec['rewards'])} of episode {self.id}")
+        return Step(None if done else rec["observations"][-1], rec["rewards"][-1], done, {"episode": self.id})
+
+    async def close(self):
+        self.record["closed"] += 1
+
+
+class Batches(L.Callback):
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append(outputs["batch"].to("cpu"))
+
+
+def fit(module, tmp_path, steps, callbacks=()):
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        callbacks=list(callbacks), enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module)
+    return trainer
+
+
+def record_generations(engine, monkeypatch):
+    records = {}  # context + generated ids -> the engine's outputs for it
+    original = engine.generate
+
+    async def generate(prompt_ids, sampling):
+        out = await original(prompt_ids, sampling)
+        records.setdefault(tuple(prompt_ids) + tuple(out.token_ids), []).append((len(prompt_ids), out))
+        return out
+
+    monkeypatch.setattr(engine, "generate", generate)
+    return records
+
+
+def trained_runs(mask: list[bool]) -> list[tuple[int, int]]:
+    runs, start = [], None
+    for i, m in enumerate([*mask, False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def test_environment_trains_end_to_end(tmp_path, monkeypatch, tokenizer, caplog):
+    EPISODES.clear()
+    engine, batches = TorchEngine(seed=0), Batches()
+    generations = record_generations(engine, monkeypatch)
+    module = AsyncRLModule(environment=ScoredEnv, env_kwargs={"fail_every": 5}, env_max_turns=2, env_max_tokens=16,
+                           engine=engine, group_size=4, prompts_per_step=3, max_lag=1, lr=3e-4, max_failure_rate=1.0)
+    with caplog.at_level(logging.WARNING, logger="molt_lightning.rollout"):
+        fit(module, tmp_path, steps=3, callbacks=[batches])
+
+    # close() ran exactly once for every episode, the ones whose step raised and the ones cancelled at the end too
+    assert EPISODES and all(rec["closed"] == 1 for rec in EPISODES.values())
+    raised = {ep for ep, rec in EPISODES.items() if rec["raised"]}
+    assert raised and 1 <= module.source.counts["status_failed"] <= len(raised)  # failed runs are counted
+    assert "agent raised RuntimeError: step broke" in caplog.text
+
+    kinds = set()
+    for b in batches.seen:
+        for row in range(b.input_ids.shape[0]):
+            traj = b.trajectories[int(b.traj_ids[row])]
+            ep = traj.info["episode"]
+            rec = EPISODES[ep]
+            assert ep not in raised
+            assert traj.reward == pytest.approx(sum(rec["rewards"])) == float(b.rewards[row])  # summed step rewards
+            assert traj.info["turns"] == len(rec["rewards"])
+            truncated = rec["rewards"][-1] != 1.0  # still going after env_max_turns=2 replies
+            assert traj.info["env_truncated"] is truncated
+            if truncated:
+                assert traj.status == Status.TRUNCATED and len(rec["rewards"]) == 2
+            kinds.add((len(rec["rewards"]), truncated))
+
+            ids, mask = b.input_ids[row].tolist(), b.loss_mask[row].tolist()
+            context = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+            trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+            sent = rec["observations"][: len(rec["rewards"]) - 1]  # a truncated episode's last one is never sent
+            assert context.count("<|im_start|>user\n") == 1 + len(sent)
+            for obs in sent:  # the env's observations: user messages, context only
+                assert f"<|im_start|>user\n{obs}<|im_end|>" in context and obs not in trained
+            assert "<|im_start|>" not in trained
+            runs = trained_runs(mask)
+            assert len(runs) == traj.info["turns"]
+            for s, e in runs:  # every trained run is one engine generation: its context, ids, logprobs, versions
+                assert any(n == s and out.token_ids == ids[s:e] and out.versions == b.versions[row, s:e].tolist()
+                           and torch.allclose(b.engine_logprobs[row, s:e], torch.tensor(out.logprobs))
+                           for n, out in generations[tuple(ids[:e])])
+    assert kinds == {(1, False), (2, False), (2, True)}, kinds  # one, two turns done, and cut at max_turns
+
+
+class NotAStep(Environment):
+    async def reset(self, sample):
+        return [{"role": "user", "content": sample["question"]}]  # opening messages instead of a text
+
+    async def step(self, action):
+        return {"done": True}  # not a Step
+
+
+class NoObservation(Environment):
+    closed = 0
+
+    async def reset(self, sample):
+        return sample["question"]
+
+    async def step(self, action):
+        return Step(None)  # not done, yet nothing to say
+
+    async def close(self):
+        NoObservation.closed += 1
+
+
+class ScriptedEngine(RolloutEngine):
+    """Answers every request with the same reply (token ids, logprob -0.5, version 0)."""
+
+    def __init__(self, reply):
+        super().__init__()
+        self.reply, self.prompts = reply, []
+
+    async def start(self, model_path): ...
+    async def shutdown(self): ...
+    async def _stage(self, bucket): ...
+    async def _commit(self, version): ...
+    async def pause(self): ...
+    async def resume(self): ...
+
+    async def _generate(self, prompt_ids, sampling):
+        self.prompts.append(prompt_ids)
+        return Generation(list(self.reply), [-0.5] * len(self.reply), [0] * len(self.reply), "stop")
+
+
+def play(agent, engine, template, sample, seed=None) -> tuple[Trajectory, object]:
+    traj = Trajectory(sample_id=0, group_id=0)
+    client = AgentClient(engine, traj, template, temperature=1.0, max_context=256, seed=seed)
+    return traj, asyncio.run(agent(client, sample))
+
+
+def test_bad_steps_fail_the_run_with_the_reason_and_still_close(tokenizer):
+    t = ChatTemplate(tokenizer)
+    engine, sample = ScriptedEngine(t.encode("ANSWER 1") + [t.eos_id]), {"question": "What is 1+1?", "answer": 2}
+    with pytest.raises(TypeError, match="NotAStep.step returned dict, not a Step"):
+        play(env_agent(NotAStep), engine, t, sample)
+    with pytest.raises(ValueError, match=r"got None: return one from NoObservation.step \(or end the episode with"):
+        play(env_agent(NoObservation), engine, t, sample)
+    assert NoObservation.closed == 1
+
+
+def test_calculator_env_at_max_turns_is_the_agent_plus_a_truncation_mark(tokenizer):
+    """Three ``CALC`` replies: both stop with reward 0 after the same tokens; the environment marks it truncated."""
+    t = ChatTemplate(tokenizer)
+    sample = arithmetic.make_problem(random.Random(0))
+    agent_traj, agent_reward = play(arithmetic.calculator_agent, ScriptedEngine(t.encode("CALC 2*3") + [t.eos_id]),
+                                    t, sample)
+    env_traj, result = play(env_agent(CalculatorEnv, MAX_TURNS, MAX_TOKENS),
+                            ScriptedEngine(t.encode("CALC 2*3") + [t.eos_id]), t, sample)
+    assert env_traj.segments == agent_traj.segments and len(env_traj.segments[0]) == 2 * MAX_TURNS
+    assert agent_reward == result.reward == 0.0
+    assert result.info == {"turns": MAX_TURNS, "env_truncated": True}
+    assert (agent_traj.status, env_traj.status) == (Status.OK, Status.TRUNCATED)
+    assert env_traj.reason == f"the environment was not done after max_turns={MAX_TURNS}"
+
+
+def test_calculator_env_makes_the_same_tokens_as_calculator_agent(policy_path, tokenizer):
+    """The same seeded requests to the torch engine, one run at a time: identical trajectories and rewards."""
+    engine, template = TorchEngine(seed=0), ChatTemplate(tokenizer)
+    engine.launch(policy_path)
+    agents = {"agent": arithmetic.calculator_agent, "env": env_agent(CalculatorEnv, MAX_TURNS, MAX_TOKENS)}
+    runs = {name: [] for name in agents}
+    try:
+        for sample_id, sample in zip(range(12), arithmetic.tasks(0)):
+            for member in range(4):
+                for name, agent in agents.items():
+                    traj = Trajectory(sample_id=sample_id, group_id=0)
+                    client = AgentClient(engine, traj, template, temperature=1.0, max_context=256,
+                                         seed=request_seed(0, sample_id, member))
+                    result = engine.call(agent(client, sample))
+                    runs[name].append((traj, getattr(result, "reward", result)))
+    finally:
+        engine.release()
+    tool_turns = 0
+    for (a, a_reward), (e, e_reward) in zip(runs["agent"], runs["env"]):
+        assert e.segments == a.segments  # kinds, token ids, logprobs, versions
+        assert e_reward == a_reward
+        tool_turns += sum(s.kind == Kind.ENV for s in a.segments[0])
+    assert tool_turns > 0, "no run called the calculator: the comparison covered no tool turn"
+    assert {r for _, r in runs["agent"]} == {0.0, 1.0}
+
+
+def test_the_recipe_runs_through_the_cli(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "molt_lightning.cli", "fit", "--config", "recipes/calculator_env.yaml",
+         "--trainer.max_steps", "2", "--model.group_size", "4", "--model.prompts_per_step", "4",
+         "--trainer.logger.init_args.save_dir", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [run_dir] = list((tmp_path / "calculator_env").iterdir())
+    df = pd.read_csv(run_dir / "metrics.csv")
+    assert sorted(df["step"].dropna().unique()) == [0, 1] and df["reward"].notna().all()
+    config = (run_dir / "config.yaml").read_text()
+    assert "environment: molt_lightning.tasks.arithmetic_env.CalculatorEnv" in config and "TorchEngine" in config
+
+
+# ----- bad inputs, answered before anything starts (the style of tests/test_bad_inputs.py) -----
+FAST = """\
+trainer: {{accelerator: cpu, max_steps: 1, logger: false, enable_checkpointing: false, enable_progress_bar: false,
+          default_root_dir: {root}}}
+model:
+  engine: molt_lightning.engines.TorchEngine
+  group_size: 2
+  prompts_per_step: 2
+  policy: {policy}
+"""
+
+
+@pytest.fixture
+def recipe(tmp_path, policy_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["molt"])  # else LightningCLI warns that it got both argv and args
+    path = tmp_path / "recipe.yaml"
+    path.write_text(FAST.format(root=tmp_path, policy=policy_path))
+    return str(path)
+
+
+def answer(capsys, *args: str) -> str:
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", *args])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.splitlines()) <= 16, err
+    return err
+
+
+async def other_agent(client, sample):
+    return 0.0
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["--model.environment", "molt_lightning.engines.TorchEngine"],
+     "model.environment molt_lightning.engines.torch_engine.TorchEngine is not an Environment: give the dotted path "
+     "of a class that subclasses molt_lightning.envs.Environment"),
+    (["--model.environment", "molt_lightning.envs.Environment"],
+     "model.environment molt_lightning.envs.Environment is abstract: implement reset, step"),
+    (["--model.environment", "molt_lightning.tasks.arithmetic.tasks"],
+     "fix: model.environment takes the dotted path of a molt_lightning.envs.Environment subclass"),
+    (["--model.environment", "molt_lightning.tasks.arithmetic_env.NoSuchEnv"],
+     "fix: model.environment takes the dotted path of a molt_lightning.envs.Environment subclass"),
+    (["--model.environment", "molt_lightning.tasks.arithmetic_env.CalculatorEnv", "--model.env_kwargs", "{size: 3}"],
+     "CalculatorEnv cannot be made with env_kwargs {'size': 3}"),
+    (["--model.environment", "molt_lightning.tasks.arithmetic_env.CalculatorEnv", "--model.agent",
+      "tests.test_envs.other_agent"],
+     "model.agent and model.environment are both set: give one of them (drop model.agent"),
+    (["--model.environment", "molt_lightning.tasks.arithmetic_env.CalculatorEnv", "--model.env_max_turns", "0"],
+     "env_max_turns and env_max_tokens must be >= 1, got 0 and 64"),
+])
+def test_a_bad_environment_is_answered_before_anything_starts(recipe, capsys, args, problem):
+    err = answer(capsys, "--config", recipe, *args)
+    assert problem in err, err
+
+
+def test_both_agent_and_environment_in_python():
+    with pytest.raises(ValueError, match="model.agent and model.environment are both set"):
+        AsyncRLModule(agent=other_agent, environment=CalculatorEnv)
+    with pytest.raises(ValueError, match="is not an Environment"):
+        AsyncRLModule(environment=arithmetic.calculator_agent)
