@@ -1,0 +1,23 @@
+"""Quickstart: 20 RL steps teach the built-in tiny policy to use a calculator tool (vLLM on the CPU, no download)."""
+import lightning as L
+from lightning.pytorch.loggers import CSVLogger
+
+from molt_lightning import AsyncRLModule
+from molt_lightning.engines import VLLMEngine
+from molt_lightning.tasks.arithmetic import calculator, reward, tasks  # tasks(seed): {"question": "What is 73*41?"}
+
+
+async def agent(client, sample) -> float:  # an ordinary async program: multi-turn, tools, anything
+    messages = [{"role": "user", "content": sample["question"]}]
+    for _ in range(3):
+        reply = await client.chat(messages, max_tokens=16)
+        messages.append({"role": "assistant", "content": reply})
+        if not reply.startswith("CALC "):  # not a tool call ("CALC 73*41"): the final answer
+            break
+        messages.append({"role": "tool", "content": calculator(reply.removeprefix("CALC "))})
+    return reward(reply, sample)  # 1.0 for "ANSWER 2993" (the exact result), else 0.0
+
+
+if __name__ == "__main__":  # required: vLLM's engine process re-imports this script
+    trainer = L.Trainer(max_steps=20, log_every_n_steps=1, logger=CSVLogger("runs"))  # runs/lightning_logs/version_N
+    trainer.fit(AsyncRLModule(agent=agent, tasks=tasks, engine=VLLMEngine(), max_lag=1))
