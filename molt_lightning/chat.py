@@ -7,7 +7,12 @@ template puts after an assistant message that the policy did not generate itself
 renders the old conversation differently once new messages arrive (history rewritten or a template that edits past
 turns), ``delta_ids`` returns ``None`` and the caller starts a new segment instead of re-tokenizing.
 
-Uses ``transformers``' ``apply_chat_template`` for rendering; the delta arithmetic is ours (no library offers it).
+Tools: ``tools`` (OpenAI/Hugging Face function schemas) are rendered by the policy's own chat template, and a reply's
+tool calls are parsed by the tokenizer's own ``response_template`` (transformers' ``parse_response``), so the
+tool-call syntax is the policy's, written down once in its tokenizer config.
+
+Uses ``transformers``' ``apply_chat_template`` and ``parse_response``; the delta arithmetic is ours (no library
+offers it).
 """
 
 from __future__ import annotations
@@ -32,18 +37,29 @@ class ChatTemplate:
         probe = self.render([{"role": "user", "content": "u"}, {"role": "assistant", "content": _PROBE}])
         # What the template writes after an assistant message's content, e.g. "<|im_end|>\n".
         self.turn_suffix = probe.split(_PROBE, 1)[1]
+        user = [{"role": "user", "content": "u"}]  # what the template writes to open an assistant turn
+        self.generation_prompt = self.render(user, add_generation_prompt=True)[len(self.render(user)):]
 
-    def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
+    @property
+    def handles_tools(self) -> bool:
+        """Whether the template renders ``tools`` and the tokenizer can parse tool calls back out of a reply."""
+        return "tools" in str(self.tokenizer.chat_template) and self.response_template is not None
+
+    @property
+    def response_template(self) -> dict | None:
+        return getattr(self.tokenizer, "response_template", None)
+
+    def render(self, messages: list[Message], add_generation_prompt: bool = False, tools: list | None = None) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
-    def prompt_ids(self, messages: list[Message]) -> list[int]:
+    def prompt_ids(self, messages: list[Message], tools: list | None = None) -> list[int]:
         """The first prompt of a segment: the whole conversation plus the generation prompt."""
-        return self.encode(self.render(messages, add_generation_prompt=True))
+        return self.encode(self.render(messages, add_generation_prompt=True, tools=tools))
 
     def close_turn_ids(self, generated: list[int]) -> list[int]:
         """Template text after a generated assistant turn that the policy did not produce itself."""
@@ -52,10 +68,10 @@ class ChatTemplate:
             return self.encode(self.turn_suffix[len(eos_text):])
         return self.encode(self.turn_suffix)  # truncated turn: the template closes it
 
-    def delta_ids(self, previous: list[Message], new: list[Message]) -> list[int] | None:
+    def delta_ids(self, previous: list[Message], new: list[Message], tools: list | None = None) -> list[int] | None:
         """Tokens for ``new`` messages plus the generation prompt, or ``None`` if the prefix does not render stably."""
-        before = self.render(previous)
-        after = self.render(previous + new, add_generation_prompt=True)
+        before = self.render(previous, tools=tools)
+        after = self.render(previous + new, add_generation_prompt=True, tools=tools)
         if not after.startswith(before):
             return None
         return self.encode(after[len(before):])
@@ -64,3 +80,24 @@ class ChatTemplate:
         """The assistant message text of a generated turn (without the end-of-turn token)."""
         ids = generated[:-1] if generated and generated[-1] == self.eos_id else generated
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def parse_reply(self, generated: list[int], tools: list | None = None) -> Message:
+        """The assistant message of a generated turn: ``content`` and, where the reply holds some, ``tool_calls``
+        (HF form: ``{"type": "function", "function": {"name", "arguments": dict}}``). A reply whose tool-call
+        syntax does not parse keeps its raw text as content and gets ``"unparsed": "<why>"``."""
+        text = self.decode_reply(generated)
+        if not tools or self.response_template is None:
+            return {"role": "assistant", "content": text}
+        try:
+            parsed = self.tokenizer.parse_response(text, prefix=self.generation_prompt, tools=tools)
+        except (ValueError, TypeError, KeyError) as e:
+            return {"role": "assistant", "content": text, "unparsed": f"{type(e).__name__}: {str(e)[:200]}"}
+        message = {"role": "assistant", "content": parsed.get("content") or ""}
+        calls = [c for c in parsed.get("tool_calls") or [] if isinstance(c, dict)]
+        if calls:
+            message["tool_calls"] = [
+                {"type": "function", "function": {"name": str(c.get("function", {}).get("name", "")),
+                                                  "arguments": c.get("function", {}).get("arguments") or {}}}
+                for c in calls
+            ]
+        return message

@@ -8,6 +8,7 @@ policy token into the record that the engine did not return.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,10 @@ class AgentClient:
         self.seed, self._requests = seed, 0  # request k samples with seed + k (None: the engine's shared stream)
         self._messages: list[Message] | None = None  # what the current segment's tokens render (chat mode)
         self._last_gen: list[int] = []
+        self._tools: list | None = None  # the tools the current segment was rendered with
+        self.endpoint_key: str | None = None  # set while the run's OpenAI-compatible endpoint serves this client
+        self.base_url: str | None = None
+        self.lock = asyncio.Lock()  # the endpoint serves one request of a trajectory at a time
 
     @property
     def tokens(self) -> list[int]:
@@ -56,13 +61,21 @@ class AgentClient:
             kind = Kind.ENV if self.trajectory.segments[-1] else Kind.PROMPT
             self.trajectory.segments[-1].append(Span.context(kind, token_ids))
 
-    async def generate(self, context_ids: list[int] | None = None, *, max_tokens: int) -> Generation:
-        """Append ``context_ids``, then sample up to ``max_tokens`` tokens continuing the whole segment."""
+    @property
+    def api_key(self) -> str | None:
+        """This agent run's key for the run's OpenAI-compatible endpoint (``base_url``): it ties requests to this
+        trajectory. ``openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key)``."""
+        return self.endpoint_key
+
+    async def generate(self, context_ids: list[int] | None = None, *, max_tokens: int | None) -> Generation:
+        """Append ``context_ids``, then sample up to ``max_tokens`` tokens (``None``: up to ``max_context``)
+        continuing the whole segment."""
         self.add_context(context_ids or [])
         prompt = self.tokens
         if not prompt:
             raise ValueError("generate needs context: pass the prompt token ids")
-        if len(prompt) + max_tokens > self.max_context:
+        max_tokens = self.max_context - len(prompt) if max_tokens is None else max_tokens
+        if max_tokens < 1 or len(prompt) + max_tokens > self.max_context:
             raise ContextOverflow(
                 f"segment of {len(prompt)} tokens + max_tokens {max_tokens} exceeds max_context {self.max_context}; "
                 "start a new segment, shorten the context, or raise max_context"
@@ -84,22 +97,31 @@ class AgentClient:
         Only the template delta since the previous turn is tokenized; if ``messages`` does not extend what this
         segment already holds (history rewritten), a new segment starts from the rendered conversation.
         """
+        message, _ = await self.chat_turn(messages, max_tokens=max_tokens)
+        return message["content"]
+
+    async def chat_turn(self, messages: list[Message], *, max_tokens: int | None, tools: list | None = None,
+                        ) -> tuple[Message, Generation]:
+        """``chat`` with tools: the assistant message (``content``, parsed ``tool_calls``) and the engine's output.
+
+        The segment continues when ``messages`` extends the conversation it holds (same tools); otherwise a new one
+        starts. The OpenAI-compatible endpoint (``molt_lightning.endpoint``) serves every request through this."""
         if self.template is None:
             raise ValueError("client.chat needs a tokenizer with a chat template")
-        t = self.template
+        t, tools = self.template, tools or None
         seen = self._messages
-        if seen is not None and len(messages) > len(seen) and messages[: len(seen)] == seen:
-            delta = t.delta_ids(seen, messages[len(seen):])
+        if seen is not None and tools == self._tools and len(messages) > len(seen) and messages[: len(seen)] == seen:
+            delta = t.delta_ids(seen, messages[len(seen):], tools)
             if delta is None:
                 self.new_segment()
-                context = t.prompt_ids(messages)
+                context = t.prompt_ids(messages, tools)
             else:
                 context = t.close_turn_ids(self._last_gen) + delta
         else:
             self.new_segment()
-            context = t.prompt_ids(messages)
+            context = t.prompt_ids(messages, tools)
         out = await self.generate(context, max_tokens=max_tokens)
-        reply = t.decode_reply(out.token_ids)
-        self._messages = [*messages, {"role": "assistant", "content": reply}]
-        self._last_gen = out.token_ids
-        return reply
+        message = t.parse_reply(out.token_ids, tools)
+        self._messages = [*messages, {k: v for k, v in message.items() if k != "unparsed"}]
+        self._tools, self._last_gen = tools, out.token_ids
+        return message, out

@@ -29,6 +29,10 @@ Sampling is seeded per request: turn ``k`` of member ``j`` of prompt ``i`` asks 
 batched together. With the torch engine and ``max_lag=0`` a run is then reproducible, including one resumed from a
 checkpoint (vLLM ignores the seeds: see ``engines.vllm_engine``).
 
+Agents written with the stock OpenAI client: each source serves a loopback OpenAI-compatible endpoint on its event
+loop (``molt_lightning.endpoint``); every agent run gets its own API key for it (``client.api_key``, next to
+``client.base_url``), which ties its requests to its trajectory.
+
 Dynamic sampling (DAPO): an optional ``group_filter(rewards) -> keep?`` sees every completed group's usable rewards;
 a rejected group is dropped and counted (``dropped_filtered_groups``/``_samples``), its prompt is done, and its
 admission slot opens for a new prompt, so batches are refilled with groups that pass. After ``FILTER_PATIENCE``
@@ -42,6 +46,7 @@ import hashlib
 import itertools
 import logging
 import math
+import os
 import re
 import threading
 from collections import Counter, deque
@@ -50,6 +55,7 @@ from typing import Any
 
 from .chat import ChatTemplate
 from .client import AgentClient, AgentResult
+from .endpoint import Endpoint
 from .engines.base import RolloutEngine
 from .trajectory import Status, Trajectory
 
@@ -97,6 +103,7 @@ class RolloutSource:
         self._rejected_in_a_row = 0
         self._filtered_reward = 0.0  # reward sum of the samples dynamic sampling dropped since the last batch
         self.engine: RolloutEngine | None = None
+        self.endpoint: Endpoint | None = None
         self.counts: Counter = Counter()  # cumulative counters, reported by the monitor
         self._reported: Counter = Counter()
         self.consumed_batches = 0
@@ -122,6 +129,10 @@ class RolloutSource:
         self.template = ChatTemplate(tokenizer) if getattr(tokenizer, "chat_template", None) else None
         engine.launch(model_path)
         self._loop = engine.loop
+        self.endpoint = None
+        if self.template is not None:  # the loopback OpenAI-compatible endpoint, for agents using the openai client
+            self.endpoint = Endpoint(["policy", os.path.basename(model_path.rstrip("/")), model_path], self.temperature)
+            self.call(self.endpoint.start(), timeout=60)
         self._wake = self.call(_make_event())
         self._tasks: set[asyncio.Task] = set()
         self._producer = None
@@ -151,6 +162,8 @@ class RolloutSource:
                 self._producer.cancel()
                 self._producer = None
             self.call(_cancel(), timeout=60)
+            if self.endpoint is not None:
+                self.call(self.endpoint.stop(), timeout=30)
         finally:
             self._loop = None
             self._stopping = False
@@ -342,12 +355,17 @@ class RolloutSource:
         traj = Trajectory(sample_id=sample_id, group_id=order, info={"sample": sample, "index": index})
         client = AgentClient(self.engine, traj, self.template, self.temperature, self.max_context,
                              seed=request_seed(self.task_seed, sample_id, index))
+        if self.endpoint is not None:
+            self.endpoint.register(client, f"{sample_id}-{index}")
         try:
             result = await asyncio.wait_for(self.agent(client, sample), self.timeout_s)
         except asyncio.TimeoutError:
             return self._failed(traj, f"timed out after {self.timeout_s}s")
         except Exception as e:
             return self._failed(traj, f"agent raised {type(e).__name__}: {e}")
+        finally:
+            if self.endpoint is not None:
+                self.endpoint.unregister(client)
         reward = result.reward if isinstance(result, AgentResult) else result
         try:
             traj.reward = float(reward)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import sys
+from pathlib import Path
 
 import lightning as L
 import pandas as pd
@@ -18,21 +20,14 @@ from molt_lightning.engines import TorchEngine
 from molt_lightning.module import AsyncRLModule
 from molt_lightning.tasks.arithmetic import calculator_agent
 
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from invariant import Batches, check_trained_tokens, record_generations  # noqa: E402
+
 NAMED_METRICS = [  # what issue #2 asks every step to log
     "reward", "reward/std", "lag", "lag/max", "is/ratio_mean", "is/ratio_min", "is/ratio_max", "mismatch/kl",
     "loss/clip_frac", "samples/status_failed", "samples/dropped_stale_groups", "samples/status_failed_total",
     "perf/gen_tokens_per_s", "perf/trainer_idle_s", "perf/engine_idle_frac", "perf/weight_sync_s", "reward/all_samples",
 ]
-
-
-class Batches(L.Callback):
-    """Keeps every trained batch with the policy version that trained on it."""
-
-    def __init__(self):
-        self.seen = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.seen.append((pl_module.policy_version - 1, outputs["batch"].to("cpu")))
 
 
 def fit(module, tmp_path, steps, callbacks=(), ckpt_path=None, name="run"):
@@ -55,51 +50,11 @@ def engine(request):
     return TorchEngine(seed=0) if request.param == "torch" else request.getfixturevalue("vllm_engine")
 
 
-def record_generations(engine, monkeypatch):
-    records = []
-    original = engine.generate
-
-    async def generate(prompt_ids, sampling):
-        out = await original(prompt_ids, sampling)
-        records.append((list(prompt_ids), out))
-        return out
-
-    monkeypatch.setattr(engine, "generate", generate)
-    return records
-
-
 def test_trained_tokens_are_exactly_the_engines(engine, tmp_path, monkeypatch, tokenizer):
     records = record_generations(engine, monkeypatch)
     batches = Batches()
     fit(make(engine, max_lag=1), tmp_path, steps=4, callbacks=[batches])
-    by_context = {}  # samples of one prompt often generate the same ids, with other versions (and logprobs) in flight
-    for p, o in records:
-        by_context.setdefault(tuple(p) + tuple(o.token_ids), []).append((len(p), o))
-    tool_turns = 0
-    for version, b in batches.seen:
-        for row in range(b.input_ids.shape[0]):
-            ids, mask = b.input_ids[row].tolist(), b.loss_mask[row].tolist()
-            # every run of trained positions is one engine generation: same context, ids, logprobs, versions
-            runs, start = [], None
-            for i, m in enumerate(mask + [False]):
-                if m and start is None:
-                    start = i
-                elif not m and start is not None:
-                    runs.append((start, i))
-                    start = None
-            assert runs
-            for s, e in runs:
-                candidates, versions = by_context[tuple(ids[:e])], b.versions[row, s:e].tolist()
-                matches = [i for i, (n_prompt, out) in enumerate(candidates)
-                           if n_prompt == s and out.token_ids == ids[s:e] and out.versions == versions
-                           and torch.allclose(b.engine_logprobs[row, s:e], torch.tensor(out.logprobs))]
-                assert matches, f"trained positions {s}:{e} of row {row} match no engine generation"
-                _, out = candidates.pop(matches[0])  # each generation backs at most one trained span
-                assert max(out.versions) <= version and version - min(out.versions) <= 1
-            text = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
-            tool_turns += text.count("<|im_start|>tool")
-            trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
-            assert "<|im_start|>" not in trained  # template and tool tokens are never trained on
+    tool_turns = check_trained_tokens(records, batches, tokenizer)
     assert tool_turns > 0, "the run had no multi-turn (tool) trajectory to check"
 
 

@@ -42,6 +42,28 @@ def smollm2_policy() -> str:
     return cached_folder(name, lambda out: convert(src, out))
 
 
+def smollm2_python_tool_policy() -> str:
+    """SmolLM2 with a tool-calling chat template: the same weights (linked, not copied) and a tokenizer whose
+    template and ``response_template`` make a Python code block a call of the ``python`` tool (see
+    ``tasks.python_tool.SMOLLM2_TEMPLATE``: the syntax SmolLM2-135M already writes, unlike Hermes-style JSON calls)."""
+    from ..tasks.python_tool import SMOLLM2_RESPONSE_TEMPLATE, SMOLLM2_TEMPLATE
+
+    base = Path(smollm2_policy())
+    key = hashlib.sha256((base.name + SMOLLM2_TEMPLATE + repr(SMOLLM2_RESPONSE_TEMPLATE)).encode()).hexdigest()[:12]
+
+    def make(out: Path) -> None:
+        from transformers import AutoTokenizer
+
+        for f in base.iterdir():
+            if not f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+                (out / f.name).symlink_to(f)
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        tokenizer.chat_template, tokenizer.response_template = SMOLLM2_TEMPLATE, SMOLLM2_RESPONSE_TEMPLATE
+        tokenizer.save_pretrained(out)
+
+    return cached_folder(f"smollm2-135m-python-tool-{key}", make)
+
+
 def convert(src: Path, out: Path) -> None:
     """Dequantize the GGUF weights to float32 and save a plain (unquantized) Hugging Face folder."""
     import torch

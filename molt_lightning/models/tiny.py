@@ -40,6 +40,20 @@ SPEC = {  # everything that determines the folder's content; the cache key hashe
 }
 
 
+# The python-tool policy: the same network and warm start, on dialogues with Hermes-style tool calls. One phase-1
+# round: a build with three reached 0.923, 0.926, 0.927 after each (the later rounds cost 9 CPU-minutes for nothing).
+PYTHON_TOOL_SPEC = {**SPEC, "task": "python_tool", "vocab_size": 400,
+                    "model": {**SPEC["model"], "max_position_embeddings": 512},
+                    "sft": {**SPEC["sft"], "rounds": [1400], "target": 0.9}}
+
+
+def _task(spec: dict):
+    """The task module whose ``demonstration`` dialogues the policy is warm-started on."""
+    from ..tasks import arithmetic, python_tool
+
+    return {"arithmetic": arithmetic, "python_tool": python_tool}[spec.get("task", "arithmetic")]
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt-lightning"))
 
@@ -48,7 +62,12 @@ def arithmetic_policy(spec: dict | None = None) -> str:
     """Path of the cached warm-started policy folder, building it on first use (about 3 minutes on 2 cores)."""
     spec = spec or SPEC
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    return cached_folder(f"tiny-arithmetic-{key}", lambda out: build(out, spec))
+    return cached_folder(f"tiny-{spec.get('task', 'arithmetic').replace('_', '-')}-{key}", lambda out: build(out, spec))
+
+
+def python_tool_policy() -> str:
+    """The tiny policy of ``tasks.python_tool`` (tool calls through the OpenAI-compatible endpoint), cached."""
+    return arithmetic_policy(PYTHON_TOOL_SPEC)
 
 
 def cached_folder(name: str, make) -> str:
@@ -71,42 +90,54 @@ def cached_folder(name: str, make) -> str:
     return str(final)
 
 
-def train_tokenizer(vocab_size: int, seed: int = 0):
-    """A byte-level BPE with single-digit tokens, trained on synthetic task dialogues, with a ChatML template."""
+def train_tokenizer(vocab_size: int, seed: int = 0, task=None):
+    """A byte-level BPE with single-digit tokens, trained on synthetic task dialogues, with a ChatML template (the
+    task's own, with its tool-call tokens and ``response_template``, where it has one)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from ..tasks.arithmetic import demonstration
+    from ..tasks import arithmetic
 
+    task = task or arithmetic
     rng = random.Random(seed)
-    corpus = [m["content"] for _ in range(3000) for m in demonstration(rng, p_tool=0.5)]
+    dialogues = [task.demonstration(rng, p_tool=0.5) for _ in range(3000)]
+    corpus = [m["content"] for d in dialogues for m in d]
+    corpus += [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+               for d in dialogues for m in d for c in m.get("tool_calls", [])]
     corpus += ["user", "assistant", "tool", "system", "\n"]
+    if hasattr(task, "TOOLS"):
+        corpus.append("tools: " + ", ".join(t["function"]["name"] for t in task.TOOLS))
+    specials = SPECIALS + getattr(task, "SPECIAL_TOKENS", [])
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>", chat_template=CHATML,
-        additional_special_tokens=["<|im_start|>"],
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>",
+        chat_template=getattr(task, "CHAT_TEMPLATE", CHATML), additional_special_tokens=specials[1:2] + specials[3:],
     )
+    if hasattr(task, "RESPONSE_TEMPLATE"):
+        tokenizer.response_template = task.RESPONSE_TEMPLATE
+    return tokenizer
 
 
-def sft_example(template, dialogue: list[dict]) -> tuple[list[int], list[int]]:
-    """Token ids and loss mask of a dialogue, built exactly as ``AgentClient.chat`` builds a rollout."""
+def sft_example(template, dialogue: list[dict], tools: list | None = None) -> tuple[list[int], list[int]]:
+    """Token ids and loss mask of a dialogue, built exactly as ``AgentClient.chat_turn`` builds a rollout."""
     ids, mask, seen = [], [], []
     for i, msg in enumerate(dialogue):
         if msg["role"] != "assistant":
             continue
         context = dialogue[:i]
-        piece = template.prompt_ids(context) if not seen else template.delta_ids(seen, context[len(seen):])
+        piece = (template.prompt_ids(context, tools) if not seen
+                 else template.delta_ids(seen, context[len(seen):], tools))
         ids += piece
         mask += [0] * len(piece)
-        gen = template.encode(msg["content"]) + [template.eos_id]
+        gen = template.encode(_reply_text(template, msg, tools)) + [template.eos_id]
         ids += gen
         mask += [1] * len(gen)
         close = template.close_turn_ids(gen)
@@ -114,6 +145,16 @@ def sft_example(template, dialogue: list[dict]) -> tuple[list[int], list[int]]:
         mask += [0] * len(close)
         seen = dialogue[: i + 1]
     return ids, mask
+
+
+def _reply_text(template, msg: dict, tools: list | None) -> str:
+    """What the policy generates for an assistant message: its rendering between the generation prompt and the
+    end-of-turn token (content, then tool calls in the template's syntax)."""
+    if not msg.get("tool_calls"):
+        return msg["content"]
+    text = template.render([{"role": "user", "content": "u"}, msg], tools=tools)
+    start = template.render([{"role": "user", "content": "u"}], add_generation_prompt=True, tools=tools)
+    return text[len(start):].split(template.turn_suffix, 1)[0]
 
 
 def _batch(rows, pad_id):
@@ -128,16 +169,19 @@ def _batch(rows, pad_id):
     return ids, labels
 
 
-def tool_route_success(model, template, pad_id: int, n: int = 256, seed: int = 12345) -> float:
+def tool_route_success(model, template, pad_id: int, n: int = 256, seed: int = 12345, task=None) -> float:
     """Mean probability (temperature 1) that the policy, having chosen the tool, completes the tool route: copies the
     expression into the call, then the result into the answer. The choice itself (the first generated token) is left
     out: it is what RL is meant to change."""
     import torch
 
-    from ..tasks.arithmetic import demonstration
+    from ..tasks import arithmetic
 
+    task = task or arithmetic
     rng = random.Random(seed)
-    ids, labels = _batch([sft_example(template, demonstration(rng, p_tool=1.0)) for _ in range(n)], pad_id)
+    tools = getattr(task, "TOOLS", None)
+    ids, labels = _batch([sft_example(template, task.demonstration(rng, p_tool=1.0), tools) for _ in range(n)],
+                         pad_id)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=(ids != pad_id).long()).logits[:, :-1]  # (B, T-1, V)
     targets, mask = labels[:, 1:], labels[:, 1:] != -100  # (B, T-1)
@@ -157,11 +201,11 @@ def build(out: Path, spec: dict) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ..chat import ChatTemplate
-    from ..tasks.arithmetic import demonstration
 
-    sft = spec["sft"]
+    sft, task = spec["sft"], _task(spec)
+    tools = getattr(task, "TOOLS", None)
     torch.manual_seed(sft["seed"])
-    tokenizer = train_tokenizer(spec["vocab_size"], sft["seed"])
+    tokenizer = train_tokenizer(spec["vocab_size"], sft["seed"], task)
     config = LlamaConfig(
         vocab_size=len(tokenizer), tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **spec["model"]
@@ -174,7 +218,8 @@ def build(out: Path, spec: dict) -> None:
     def step(p_tool: float, lr: float) -> None:
         for group in opt.param_groups:
             group["lr"] = lr
-        ids, labels = _batch([sft_example(template, demonstration(rng, p_tool)) for _ in range(sft["batch"])], pad)
+        rows = [sft_example(template, task.demonstration(rng, p_tool), tools) for _ in range(sft["batch"])]
+        ids, labels = _batch(rows, pad)
         model(input_ids=ids, attention_mask=(ids != pad).long(), labels=labels).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -190,14 +235,14 @@ def build(out: Path, spec: dict) -> None:
         for i in range(n):
             step(sft["p_tool"], cosine(i, n, sft["lr"] / (1 + r)))
         model.eval()
-        rounds.append(tool_route_success(model, template, pad))
+        rounds.append(tool_route_success(model, template, pad, task=task))
         model.train()
         if rounds[-1] >= sft["target"]:
             break
     for i in range(sft["final_steps"]):
         step(sft["p_final"], sft["final_lr"] * (1 - i / sft["final_steps"]))
     model.eval()
-    final = tool_route_success(model, template, pad)
+    final = tool_route_success(model, template, pad, task=task)
     log.warning("built the tiny policy: tool-route success %.3f after phase-1 rounds %s", final,
                 [round(x, 3) for x in rounds])
     if final < sft["target"]:

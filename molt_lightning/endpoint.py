@@ -1,0 +1,257 @@
+"""A loopback OpenAI-compatible endpoint in front of the engine, so agents written with the stock OpenAI client run
+unchanged and still train only on the engine's tokens.
+
+Each run serves ``POST /v1/chat/completions`` (and ``GET /v1/models``) on 127.0.0.1, on the engine's event loop,
+where the agents run too. A request is tied to its trajectory by its API key: every agent run gets its own key
+(``client.api_key``) next to the shared ``client.base_url``, so an agent does
+``openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key)`` and nothing else changes. Every request goes
+through ``AgentClient.chat_turn``: the policy's chat template renders the messages and tools, only the template
+delta since the previous turn is tokenized, the assistant's tokens are the engine's (never re-tokenized), a rewritten
+history starts a new segment, and tool calls are parsed with the tokenizer's ``response_template``.
+
+Supported: ``messages`` (text content, or lists of text parts), ``tools`` with ``tool_choice`` ``auto``/``none``,
+``max_tokens``/``max_completion_tokens``, ``n=1``, ``stream`` (the whole reply as one chunk, then the finish chunk),
+and ``temperature``/``top_p`` only at the run's own values (the trainer recomputes logprobs under the run's sampling
+distribution, so another one would make its importance weights wrong). Everything else that changes sampling
+(``stop``, ``logit_bias``, ``response_format``, forced tool choice, ``n>1``, images) is refused with an OpenAI-style
+400 naming the parameter. Every refused request is also recorded in its trajectory (``info["endpoint_errors"]``).
+
+The HTTP layer is Starlette on uvicorn (both come with vLLM); request validation and the OpenAI response shapes are
+written here by hand: they are the part no library offers without pulling in a serving engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import socket
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .client import AgentClient
+
+log = logging.getLogger("molt_lightning.endpoint")
+_ALLOWED = {"model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "n", "stream",
+            "stream_options", "temperature", "top_p", "user", "seed", "parallel_tool_calls", "metadata", "store",
+            "logprobs", "frequency_penalty", "presence_penalty"}
+
+
+class RequestError(Exception):
+    """A request the endpoint refuses, with the OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class Endpoint:
+    """Serves the engine to the agents of one rollout source, on that source's event loop."""
+
+    def __init__(self, model_names: list[str], temperature: float):
+        self.model_names, self.temperature = model_names, temperature
+        self.clients: dict[str, AgentClient] = {}
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))  # loopback only
+        self.base_url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
+        self.requests = 0
+        self._server = self._task = None
+
+    # ----- lifecycle (on the engine loop) -----
+    async def start(self) -> None:
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                                Route("/v1/models", self._models, methods=["GET"])])
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=30)
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self.sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises the server's start-up error
+            await asyncio.sleep(0.005)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            await asyncio.wait_for(self._task, 10)
+            self._server = None
+        self.sock.close()
+
+    def register(self, client: AgentClient, label: str) -> None:
+        """Give ``client`` its own API key (the trajectory's handle) and the endpoint's URL."""
+        client.endpoint_key = f"molt-{label}-{secrets.token_hex(6)}"
+        client.base_url = self.base_url
+        self.clients[client.endpoint_key] = client
+
+    def unregister(self, client: AgentClient) -> None:
+        self.clients.pop(client.endpoint_key, None)
+
+    # ----- routes -----
+    async def _models(self, request):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "molt-lightning"} for name in self.model_names]})
+
+    async def _chat(self, request):
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        self.requests += 1
+        client = None
+        try:
+            key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            client = self.clients.get(key)
+            if client is None:
+                raise RequestError(401, "unknown API key: each agent run has its own key, client.api_key (pass it "
+                                        "as openai.AsyncOpenAI(api_key=client.api_key)); a finished run's key is "
+                                        "no longer valid", code="invalid_api_key", kind="authentication_error")
+            try:
+                body = json.loads(await request.body())
+            except ValueError as e:
+                raise RequestError(400, f"the request body is not JSON: {e}") from None
+            max_tokens, tools, messages, stream = self._validate(body, client)
+            async with client.lock:
+                message, out = await client.chat_turn(messages, max_tokens=max_tokens, tools=tools)
+        except RequestError as e:
+            if client is not None:
+                client.trajectory.info.setdefault("endpoint_errors", []).append(f"{e.status} {e.code}: {e.message}")
+            return JSONResponse(e.body(), status_code=e.status)
+        except Exception as e:  # ContextOverflow and friends: the client's own clear errors
+            from .client import ContextOverflow
+
+            code = "context_length_exceeded" if isinstance(e, ContextOverflow) else None
+            err = RequestError(400 if code else 500, f"{type(e).__name__}: {e}", "messages" if code else None, code,
+                               "invalid_request_error" if code else "server_error")
+            client.trajectory.info.setdefault("endpoint_errors", []).append(f"{err.status} {err.code}: {e}")
+            return JSONResponse(err.body(), status_code=err.status)
+        if "unparsed" in message:
+            client.trajectory.info.setdefault("unparsed_tool_calls", []).append(message["unparsed"])
+        reply = _openai_message(message)
+        finish = "tool_calls" if reply.get("tool_calls") else out.finish_reason
+        created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:16]}"
+        prompt_tokens = len(client.tokens) - len(out.token_ids)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(out.token_ids),
+                 "total_tokens": prompt_tokens + len(out.token_ids)}
+        if stream:
+            return StreamingResponse(_chunks(cid, created, body["model"], reply, finish),
+                                     media_type="text/event-stream")
+        return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": body["model"],
+                             "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": None}],
+                             "usage": usage})
+
+    def _validate(self, body: Any, client: AgentClient) -> tuple[int | None, list | None, list[dict], bool]:
+        if not isinstance(body, dict):
+            raise RequestError(400, "the request body must be a JSON object")
+        if body.get("model") not in self.model_names:
+            raise RequestError(404, f"the model {body.get('model')!r} does not exist: this run serves "
+                                    f"{self.model_names}", "model", "model_not_found")
+        unknown = sorted(set(body) - _ALLOWED)
+        if unknown:
+            raise RequestError(400, f"unsupported parameter(s) {unknown}: the run trains on what the policy samples "
+                                    "at its own settings, so parameters that change sampling are refused",
+                               unknown[0], "unsupported_parameter")
+        for name, run_value in (("temperature", self.temperature), ("top_p", 1.0)):
+            value = body.get(name)
+            if value is not None and abs(float(value) - run_value) > 1e-6:
+                raise RequestError(400, f"{name}={value} differs from the run's {run_value}: the trainer computes "
+                                        f"logprobs under the run's sampling distribution; omit {name}", name,
+                                   "unsupported_value")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if body.get(name):
+                raise RequestError(400, f"{name} changes sampling and is not supported; omit it", name,
+                                   "unsupported_value")
+        if body.get("n", 1) != 1:
+            raise RequestError(400, "n must be 1: the run samples the group itself (model.group_size)", "n",
+                               "unsupported_value")
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")  # None: the rest of the context
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise RequestError(400, f"max_tokens must be a positive integer, got {max_tokens!r}", "max_tokens")
+        tools = _tools(body.get("tools"), body.get("tool_choice"), client)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError(400, "messages must be a non-empty list", "messages")
+        return max_tokens, tools, [_hf_message(m, i) for i, m in enumerate(messages)], bool(body.get("stream"))
+
+
+def _tools(tools: Any, choice: Any, client: AgentClient) -> list | None:
+    if choice not in (None, "auto", "none"):
+        raise RequestError(400, f"tool_choice={choice!r} is not supported (it needs constrained decoding); use "
+                                "'auto' or 'none'", "tool_choice", "unsupported_value")
+    if tools is None or choice == "none":
+        return None
+    if not isinstance(tools, list):
+        raise RequestError(400, "tools must be a list of {'type': 'function', 'function': {...}}", "tools")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if (not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str) or not fn["name"]
+                or not isinstance(fn.get("parameters", {}), dict)):
+            raise RequestError(400, f"tools[{i}] is malformed: expected {{'type': 'function', 'function': "
+                                    "{'name': str, 'description': str, 'parameters': JSON schema object}}",
+                               f"tools[{i}]", "invalid_tool_schema")
+    if tools and not client.template.handles_tools:
+        raise RequestError(400, "this policy cannot take tools: its chat template does not render `tools` or its "
+                                "tokenizer has no `response_template` to parse tool calls (transformers' "
+                                "parse_response); add both to its tokenizer_config.json", "tools",
+                           "tools_not_supported")
+    return tools or None
+
+
+def _hf_message(m: Any, i: int) -> dict:
+    """An OpenAI chat message as the Hugging Face chat template expects it (tool-call arguments as dicts)."""
+    if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+        raise RequestError(400, f"messages[{i}] needs a role of system, user, assistant or tool", f"messages[{i}]")
+    content = m.get("content")
+    if isinstance(content, list):
+        if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+            raise RequestError(400, f"messages[{i}]: only text content parts are supported (no images or audio)",
+                               f"messages[{i}].content", "unsupported_content")
+        content = "".join(p.get("text", "") for p in content)
+    out = {"role": "system" if m["role"] == "developer" else m["role"], "content": content or ""}
+    if m.get("tool_calls"):
+        calls = []
+        for call in m["tool_calls"]:
+            fn = call.get("function", {}) if isinstance(call, dict) else {}
+            args = fn.get("arguments") or {}
+            try:
+                args = json.loads(args) if isinstance(args, str) else args
+            except ValueError:
+                raise RequestError(400, f"messages[{i}].tool_calls: arguments are not JSON: {args!r}",
+                                   f"messages[{i}].tool_calls") from None
+            calls.append({"type": "function", "function": {"name": fn.get("name", ""), "arguments": args}})
+        out["tool_calls"] = calls
+    return out
+
+
+def _openai_message(message: dict) -> dict:
+    reply: dict[str, Any] = {"role": "assistant", "content": message.get("content") or None}
+    if message.get("tool_calls"):
+        reply["tool_calls"] = [
+            {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+             "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}}
+            for c in message["tool_calls"]]
+    return reply
+
+
+async def _chunks(cid: str, created: int, model: str, reply: dict, finish: str):
+    def event(delta: dict, finish_reason: str | None) -> str:
+        chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    delta = dict(reply)
+    if "tool_calls" in delta:
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
+    yield event(delta, None)
+    yield event({}, finish)
+    yield "data: [DONE]\n\n"

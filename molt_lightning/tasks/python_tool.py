@@ -1,0 +1,149 @@
+"""Arithmetic with a sandboxed Python tool, by an agent written against the stock OpenAI client.
+
+The agent (``openai_agent``) is what an agent looks like in the wild: ``openai.AsyncOpenAI`` pointed at the run's
+loopback endpoint (``client.base_url``, with the trajectory's own ``client.api_key``), ``tools=[python]``, tool calls
+executed in ``molt_lightning.tools.sandbox.PythonSandbox`` (no network, a private directory, time/CPU/memory/process
+limits), their output sent back as ``tool`` messages. Reward 1 when the final reply is the exact result.
+
+The tiny policy for it (``molt_lightning.models.tiny.python_tool_policy``) is warm-started on ``demonstration``
+dialogues: its chat template renders tool calls Hermes-style (``<tool_call>{"name": ..., "arguments": ...}
+</tool_call>``) and its tokenizer's ``response_template`` parses them back, so the endpoint needs nothing
+task-specific. Like the default policy it calls the tool in about 15% of its answers at the start.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from typing import Any
+
+from .arithmetic import make_problem, tasks  # noqa: F401  (the same task stream as the default task)
+
+MAX_TURNS = 3
+MAX_TOKENS = 48
+TOOLS = [{"type": "function", "function": {
+    "name": "python", "description": "Run Python code in a sandbox; returns what it prints.",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}]
+
+# The tiny policy's template: ChatML, the tool names in a system line, Hermes-style tool calls.
+CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\ntools: {% for t in tools %}{{ t.function.name }}{{ ', ' if not loop.last }}"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments}"
+    " | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# transformers' declarative parser for it (tokenizer_config.json's ``response_template``; see parse_response).
+RESPONSE_TEMPLATE = {
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "content": {},
+        "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "content": "json", "repeats": True,
+                       "transform": {"type": "function", "function": "{content}"}},
+    },
+}
+SPECIAL_TOKENS = ["<tool_call>", "</tool_call>"]
+_sandbox = None
+
+
+def sandbox():
+    """The process-wide sandbox the agents share (made on first use)."""
+    global _sandbox
+    if _sandbox is None:
+        from ..tools.sandbox import PythonSandbox
+
+        _sandbox = PythonSandbox(wall_s=5.0, cpu_s=5, memory_mb=256)
+    return _sandbox
+
+
+def tool_text(result) -> str:
+    """What the policy sees of a sandbox run: its output, or the error."""
+    return result.output.strip() if result.ok else result.as_message().strip()
+
+
+def reward(reply: str | None, sample: dict[str, Any]) -> float:
+    """1.0 when the final reply is exactly the result (an integer, nothing else)."""
+    m = re.fullmatch(r"\s*(-?\d+)\s*\.?\s*", reply or "")
+    return float(m is not None and int(m.group(1)) == sample["answer"])
+
+
+def graded_reward(reply: str | None, sample: dict[str, Any]) -> float:
+    """For a chatty real model: 1.0 exactly the result; 0.75 the result is the only number; 0.5 it is the last."""
+    if reward(reply, sample):
+        return 1.0
+    numbers = [int(n) for n in re.findall(r"-?\d+", (reply or "").replace(",", ""))]
+    return 0.75 if numbers == [sample["answer"]] else 0.5 if numbers and numbers[-1] == sample["answer"] else 0.0
+
+
+def make_openai_agent(max_tokens: int, score=reward, suffix: str = ""):
+    """An ordinary OpenAI-client agent: chat with tools, run the code it asks for, score the final answer."""
+
+    async def agent(client, sample: dict[str, Any]) -> float:
+        import openai
+
+        llm = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, max_retries=0)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": sample["question"] + suffix}]
+        reply = None
+        try:
+            for _ in range(MAX_TURNS):
+                response = await llm.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
+                                                             max_tokens=max_tokens)
+                message = response.choices[0].message
+                messages.append(message.model_dump(exclude_none=True))
+                reply = message.content
+                if not message.tool_calls:
+                    break
+                for call in message.tool_calls:
+                    try:
+                        code = json.loads(call.function.arguments)["code"]
+                        text = tool_text(await sandbox().run(code))
+                    except (ValueError, KeyError, TypeError) as e:
+                        text = f"error: bad arguments ({e})"
+                    messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+                reply = None  # the episode must end with an answer, not a tool call
+        finally:
+            await llm.close()
+        return score(reply, sample)
+
+    return agent
+
+
+openai_agent = make_openai_agent(MAX_TOKENS)  # the tiny policy's agent (recipes/python_tool.yaml)
+smollm2_agent = make_openai_agent(96, graded_reward, " Use Python.")  # recipes/smollm2_python_tool.yaml
+
+# SmolLM2-135M-Instruct writes ```python blocks, not JSON tool calls: its tool-calling template makes such a block a
+# call of the python tool, and renders the tool's output as a user turn (models.smollm2.smollm2_python_tool_policy).
+SMOLLM2_TEMPLATE = (
+    "{% if tools and messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant. To run "
+    "Python, write a ```python code block```; what it prints comes back to you.<|im_end|>\n"
+    "{% elif messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
+    "trained by Hugging Face<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'tool' %}<|im_start|>user\nOutput:\n{{ m['content'] }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+    "{% for c in m.tool_calls or [] %}```python\n{{ c.function.arguments.code }}```{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SMOLLM2_RESPONSE_TEMPLATE = {
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "content": {},
+        "tool_calls": {"open_pattern": "```(?:python|py)\n", "close": "```", "content": "text", "repeats": True,
+                       "transform": {"type": "function",
+                                     "function": {"name": "python", "arguments": {"code": "{content}"}}}},
+    },
+}
+
+
+def demonstration(rng: random.Random, p_tool: float) -> list[dict[str, Any]]:
+    """A warm-start dialogue: with probability ``p_tool`` the tool route, else a direct (guessed) answer."""
+    problem = make_problem(rng)
+    user = {"role": "user", "content": problem["question"]}
+    if rng.random() < p_tool:
+        call = {"type": "function", "function": {"name": "python",
+                                                 "arguments": {"code": f"print({problem['expression']})"}}}
+        return [user, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": str(problem["answer"])},
+                {"role": "assistant", "content": str(problem["answer"])}]
+    return [user, {"role": "assistant", "content": str(rng.randint(-99, 99999))}]

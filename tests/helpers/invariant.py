@@ -1,0 +1,64 @@
+"""The consistency invariant, checked on trained batches against a record of every engine generation: each run of
+trained positions is exactly one engine generation (same context, ids, logprobs and versions) within the lag bound,
+and template/environment tokens are never trained on. Shared by the loop, endpoint and environment tests."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+
+class Batches(L.Callback):
+    """Keeps every trained batch with the policy version that trained on it."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append((pl_module.policy_version - 1, outputs["batch"].to("cpu")))
+
+
+def record_generations(engine, monkeypatch):
+    """Wrap ``engine.generate`` to record (prompt ids, Generation) of every request."""
+    records = []
+    original = engine.generate
+
+    async def generate(prompt_ids, sampling):
+        out = await original(prompt_ids, sampling)
+        records.append((list(prompt_ids), out))
+        return out
+
+    monkeypatch.setattr(engine, "generate", generate)
+    return records
+
+
+def check_trained_tokens(records, batches: Batches, tokenizer, max_lag: int = 1, tool_marker="<|im_start|>tool"):
+    """Assert the invariant on every trained row; returns how many tool turns the trained rows held as context."""
+    by_context = {}  # samples of one prompt often generate the same ids, with other versions (and logprobs) in flight
+    for p, o in records:
+        by_context.setdefault(tuple(p) + tuple(o.token_ids), []).append((len(p), o))
+    tool_turns = 0
+    for version, b in batches.seen:
+        for row in range(b.input_ids.shape[0]):
+            ids, mask = b.input_ids[row].tolist(), b.loss_mask[row].tolist()
+            runs, start = [], None
+            for i, m in enumerate(mask + [False]):
+                if m and start is None:
+                    start = i
+                elif not m and start is not None:
+                    runs.append((start, i))
+                    start = None
+            assert runs
+            for s, e in runs:
+                candidates, versions = by_context[tuple(ids[:e])], b.versions[row, s:e].tolist()
+                matches = [i for i, (n_prompt, out) in enumerate(candidates)
+                           if n_prompt == s and out.token_ids == ids[s:e] and out.versions == versions
+                           and torch.allclose(b.engine_logprobs[row, s:e], torch.tensor(out.logprobs))]
+                assert matches, f"trained positions {s}:{e} of row {row} match no engine generation"
+                _, out = candidates.pop(matches[0])  # each generation backs at most one trained span
+                assert max(out.versions) <= version and version - min(out.versions) <= max_lag
+            text = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+            tool_turns += text.count(tool_marker)
+            trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+            assert "<|im_start|>" not in trained  # template and tool tokens are never trained on
+    return tool_turns
