@@ -212,7 +212,8 @@ def test_openai_client_agent_trains_only_on_engine_tokens(kind, tool_policy, tmp
     engine = _engine(kind)
     records, batches = record_generations(engine, monkeypatch), Batches()
     module = AsyncRLModule(policy="molt_lightning.models.tiny.python_tool_policy", agent=python_tool.openai_agent,
-                           tasks=python_tool.tasks, engine=engine, group_size=8, prompts_per_step=4, max_lag=1, lr=3e-4, task_seed=1)
+                           tasks=python_tool.tasks, engine=engine, group_size=8, prompts_per_step=4, max_lag=1, lr=3e-4,
+                           task_seed=1)
     trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=CSVLogger(tmp_path), log_every_n_steps=1,
                         enable_checkpointing=False, callbacks=[batches], enable_progress_bar=False,
                         enable_model_summary=False)
