@@ -4,6 +4,10 @@ An agent is ``async def agent(client, sample) -> float | AgentResult``. Whatever
 the trajectory's current segment: context it supplies (prompt or environment tokens, never trained on) and the
 engine's output (policy tokens, each with its engine logprob and version). The agent never sees a way to put a
 policy token into the record that the engine did not return.
+
+Agents written against the stock OpenAI client use ``client.base_url`` and ``client.api_key`` instead: the run's
+loopback endpoint (``molt_lightning.endpoint``) serves each request through ``chat_turn`` of the client whose key
+it carries.
 """
 
 from __future__ import annotations

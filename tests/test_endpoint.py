@@ -224,3 +224,23 @@ def test_openai_client_agent_trains_only_on_engine_tokens(kind, tool_policy, tmp
     trajectories = [t for _, b in batches.seen for t in b.trajectories]
     assert all("endpoint_errors" not in t.info for t in trajectories)
     assert module.source.counts["status_failed"] == 0
+
+
+def test_python_tool_recipe_runs_through_the_cli(tool_policy, tmp_path):
+    import os
+    import subprocess
+
+    import pandas as pd
+
+    pytest.importorskip("molt_lightning.tools.sandbox")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "molt_lightning.cli", "fit", "--config", "recipes/python_tool.yaml",
+         "--model.engine", "molt_lightning.engines.TorchEngine", "--trainer.max_steps", "2",
+         "--model.prompts_per_step", "4", "--trainer.logger.init_args.save_dir", str(tmp_path)],
+        cwd=root, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [run_dir] = list((tmp_path / "python_tool").iterdir())
+    df = pd.read_csv(run_dir / "metrics.csv")
+    assert sorted(df["step"].dropna().unique()) == [0, 1]
+    assert df["samples/status_failed"].dropna().sum() == 0

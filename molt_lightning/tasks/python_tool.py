@@ -54,7 +54,7 @@ def sandbox():
     if _sandbox is None:
         from ..tools.sandbox import PythonSandbox
 
-        _sandbox = PythonSandbox(wall_s=5.0, cpu_s=5, memory_mb=256)
+        _sandbox = PythonSandbox(wall_s=5.0, cpu_s=5, memory_mb=256, max_output=300)
     return _sandbox
 
 
@@ -63,21 +63,25 @@ def tool_text(result) -> str:
     return result.output.strip() if result.ok else result.as_message().strip()
 
 
-def reward(reply: str | None, sample: dict[str, Any]) -> float:
+def reward(reply: str | None, sample: dict[str, Any], outputs: list[str] = ()) -> float:
     """1.0 when the final reply is exactly the result (an integer, nothing else)."""
     m = re.fullmatch(r"\s*(-?\d+)\s*\.?\s*", reply or "")
     return float(m is not None and int(m.group(1)) == sample["answer"])
 
 
-def graded_reward(reply: str | None, sample: dict[str, Any]) -> float:
-    """For a chatty real model: 1.0 exactly the result; 0.75 the result is the only number; 0.5 it is the last."""
+def graded_reward(reply: str | None, sample: dict[str, Any], outputs: list[str] = ()) -> float:
+    """For a chatty real model: 1.0 the final reply is exactly the result; 0.75 the result is its only number; 0.5 it
+    is its last number, or a tool run printed exactly the result (the tool was used right); else 0."""
     if reward(reply, sample):
         return 1.0
     numbers = [int(n) for n in re.findall(r"-?\d+", (reply or "").replace(",", ""))]
-    return 0.75 if numbers == [sample["answer"]] else 0.5 if numbers and numbers[-1] == sample["answer"] else 0.0
+    if numbers == [sample["answer"]]:
+        return 0.75
+    right_run = str(sample["answer"]) in [o.strip() for o in outputs]
+    return 0.5 if right_run or (numbers and numbers[-1] == sample["answer"]) else 0.0
 
 
-def make_openai_agent(max_tokens: int, score=reward, suffix: str = ""):
+def make_openai_agent(max_tokens: int, score=reward, suffix: str = "", max_turns: int = MAX_TURNS):
     """An ordinary OpenAI-client agent: chat with tools, run the code it asks for, score the final answer."""
 
     async def agent(client, sample: dict[str, Any]) -> float:
@@ -85,11 +89,16 @@ def make_openai_agent(max_tokens: int, score=reward, suffix: str = ""):
 
         llm = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, max_retries=0)
         messages: list[dict[str, Any]] = [{"role": "user", "content": sample["question"] + suffix}]
-        reply = None
+        reply, outputs = None, []
         try:
-            for _ in range(MAX_TURNS):
-                response = await llm.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
-                                                             max_tokens=max_tokens)
+            for _ in range(max_turns):
+                try:
+                    response = await llm.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
+                                                                 max_tokens=max_tokens)
+                except openai.BadRequestError as e:
+                    if e.code != "context_length_exceeded":
+                        raise
+                    break  # the conversation outgrew the context: the episode ends unanswered
                 message = response.choices[0].message
                 messages.append(message.model_dump(exclude_none=True))
                 reply = message.content
@@ -102,16 +111,18 @@ def make_openai_agent(max_tokens: int, score=reward, suffix: str = ""):
                     except (ValueError, KeyError, TypeError) as e:
                         text = f"error: bad arguments ({e})"
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+                    outputs.append(text)
                 reply = None  # the episode must end with an answer, not a tool call
         finally:
             await llm.close()
-        return score(reply, sample)
+        return score(reply, sample, outputs)
 
     return agent
 
 
 openai_agent = make_openai_agent(MAX_TOKENS)  # the tiny policy's agent (recipes/python_tool.yaml)
-smollm2_agent = make_openai_agent(96, graded_reward, " Use Python.")  # recipes/smollm2_python_tool.yaml
+# recipes/smollm2_python_tool.yaml: one tool call, then the answer
+smollm2_agent = make_openai_agent(64, graded_reward, " Write one line of Python that prints it.", max_turns=2)
 
 # SmolLM2-135M-Instruct writes ```python blocks, not JSON tool calls: its tool-calling template makes such a block a
 # call of the python tool, and renders the tool's output as a user turn (models.smollm2.smollm2_python_tool_policy).
@@ -129,7 +140,7 @@ SMOLLM2_RESPONSE_TEMPLATE = {
     "start_anchor": "<|im_start|>assistant\n",
     "fields": {
         "content": {},
-        "tool_calls": {"open_pattern": "```(?:python|py)\n", "close": "```", "content": "text", "repeats": True,
+        "tool_calls": {"open_pattern": "```(?:[Pp]ython3?|py)\n", "close": "```", "content": "text", "repeats": True,
                        "transform": {"type": "function",
                                      "function": {"name": "python", "arguments": {"code": "{content}"}}}},
     },
