@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from .chat import ChatTemplate, Message
@@ -37,10 +38,12 @@ class AgentClient:
     def __init__(
         self, engine: RolloutEngine, trajectory: Trajectory, template: ChatTemplate | None,
         temperature: float, max_context: int, seed: int | None = None,
+        counter: Callable[[str, int], None] | None = None,
     ):
         self.engine, self.trajectory, self.template = engine, trajectory, template
         self.temperature, self.max_context = temperature, max_context
         self.seed, self._requests = seed, 0  # request k samples with seed + k (None: the engine's shared stream)
+        self._counter = counter
         self._messages: list[Message] | None = None  # what the current segment's tokens render (chat mode)
         self._last_gen: list[int] = []
         self._tools: list | None = None  # the tools the current segment was rendered with
@@ -64,6 +67,12 @@ class AgentClient:
         if token_ids:
             kind = Kind.ENV if self.trajectory.segments[-1] else Kind.PROMPT
             self.trajectory.segments[-1].append(Span.context(kind, token_ids))
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Count an agent-side event (a tool error, a refused request): the step metrics show ``agent/<name>`` (new
+        this step) and ``agent/<name>_total``."""
+        if self._counter is not None:
+            self._counter(name, n)
 
     @property
     def api_key(self) -> str | None:

@@ -14,7 +14,8 @@ Supported: ``messages`` (text content, or lists of text parts), ``tools`` with `
 and ``temperature``/``top_p`` only at the run's own values (the trainer recomputes logprobs under the run's sampling
 distribution, so another one would make its importance weights wrong). Everything else that changes sampling
 (``stop``, ``logit_bias``, ``response_format``, forced tool choice, ``n>1``, images) is refused with an OpenAI-style
-400 naming the parameter. Every refused request is also recorded in its trajectory (``info["endpoint_errors"]``).
+400 naming the parameter. Every refused request is also recorded in its trajectory (``info["endpoint_errors"]``) and
+counted in the step metrics (``agent/endpoint_error/<code>``).
 
 The HTTP layer is Starlette on uvicorn (both come with vLLM); request validation and the OpenAI response shapes are
 written here by hand: they are the part no library offers without pulling in a serving engine.
@@ -125,6 +126,7 @@ class Endpoint:
         except RequestError as e:
             if client is not None:
                 client.trajectory.info.setdefault("endpoint_errors", []).append(f"{e.status} {e.code}: {e.message}")
+                client.count(f"endpoint_error/{e.code or e.status}")
             return JSONResponse(e.body(), status_code=e.status)
         except Exception as e:  # ContextOverflow and friends: the client's own clear errors
             from .client import ContextOverflow
@@ -133,9 +135,11 @@ class Endpoint:
             err = RequestError(400 if code else 500, f"{type(e).__name__}: {e}", "messages" if code else None, code,
                                "invalid_request_error" if code else "server_error")
             client.trajectory.info.setdefault("endpoint_errors", []).append(f"{err.status} {err.code}: {e}")
+            client.count(f"endpoint_error/{err.code or err.status}")
             return JSONResponse(err.body(), status_code=err.status)
         if "unparsed" in message:
             client.trajectory.info.setdefault("unparsed_tool_calls", []).append(message["unparsed"])
+            client.count("unparsed_tool_calls")
         reply = _openai_message(message)
         finish = "tool_calls" if reply.get("tool_calls") else out.finish_reason
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:16]}"

@@ -325,6 +325,10 @@ class RolloutSource:
             self._cond.notify_all()
         self._wake.set()
 
+    def _count_agent_event(self, name: str, n: int = 1) -> None:
+        with self._cond:
+            self.counts[f"agent/{name}"] += n
+
     def _breaker(self) -> None:
         """Under ``self._cond``: trip when the failed share of the last ``failure_window`` runs passes the limit."""
         failed = [k for k in self._recent if k is not None]
@@ -354,7 +358,7 @@ class RolloutSource:
     async def _run_agent(self, sample_id: int, order: int, index: int, sample: dict) -> Trajectory:
         traj = Trajectory(sample_id=sample_id, group_id=order, info={"sample": sample, "index": index})
         client = AgentClient(self.engine, traj, self.template, self.temperature, self.max_context,
-                             seed=request_seed(self.task_seed, sample_id, index))
+                             seed=request_seed(self.task_seed, sample_id, index), counter=self._count_agent_event)
         if self.endpoint is not None:
             self.endpoint.register(client, f"{sample_id}-{index}")
         try:

@@ -174,7 +174,7 @@ def test_cancelled_run_leaves_nothing(sandbox):
     async def main():
         task = asyncio.create_task(sandbox.run("import os, time\nos.fork()\ntime.sleep(60)"))
         program = f"{sandbox.python}\0main.py\0".encode()
-        for _ in range(40):  # until the program and its child run
+        for _ in range(200):  # until the program and its child run (slow on a loaded machine)
             await asyncio.sleep(0.05)
             running = [(uid, cwd) for _, uid, cwd, cmd in processes() if cwd.startswith(prefix) and cmd == program]
             if len(running) == 2:
@@ -203,3 +203,37 @@ def test_missing_bwrap_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(sandbox_module.shutil, "which", lambda name, *a, **k: None if name == "bwrap" else which(name))
     with pytest.raises(RuntimeError, match="apt-get install bubblewrap"):
         PythonSandbox()
+
+
+HANGING = PythonSandbox(wall_s=1.0, cpu_s=1, memory_mb=128) if shutil.which("bwrap") else None
+
+
+async def hanging_tool_agent(client, sample) -> float:
+    """Chats once, then runs a tool that never ends (every other run) or a fine one; the tool error is counted."""
+    reply = await client.chat([{"role": "user", "content": sample["question"]}], max_tokens=8)
+    code = "while True: pass" if client.trajectory.info["index"] % 2 == 0 else "print(1)"
+    result = await HANGING.run(code)
+    if not result.ok:
+        client.count(f"tool_error/{result.error.split(':')[0]}")
+    return float(result.ok) + 0.0 * len(reply)
+
+
+def test_a_hanging_tool_is_killed_counted_and_the_run_goes_on(tmp_path):
+    import lightning as L
+    import pandas as pd
+    from lightning.pytorch.loggers import CSVLogger
+
+    from molt_lightning.engines import TorchEngine
+    from molt_lightning.module import AsyncRLModule
+
+    module = AsyncRLModule(agent=hanging_tool_agent, engine=TorchEngine(seed=0), group_size=4, prompts_per_step=2,
+                           lr=3e-4, max_failure_rate=1.0)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=CSVLogger(tmp_path), log_every_n_steps=1,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    t0 = time.monotonic()
+    trainer.fit(module)
+    df = pd.read_csv(f"{trainer.logger.log_dir}/metrics.csv")
+    assert sorted(df["step"].dropna().unique()) == [0, 1]
+    assert df["agent/tool_error/timeout_total"].dropna().iloc[-1] >= 4  # two of four runs per group hang
+    assert df["samples/status_failed_total"].dropna().iloc[-1] == 0  # a tool error is data, not a failed run
+    assert time.monotonic() - t0 < 120

@@ -2,7 +2,8 @@
 
 Per step: samples failed / truncated / dropped (new this step and totals), the reward over all usable samples
 (``reward/all_samples``: with a group filter, ``reward`` covers only the groups kept), generated tokens per second,
-the seconds the trainer waited for data and the share of wall time the engine had no request in flight.
+the seconds the trainer waited for data and the share of wall time the engine had no request in flight; the events
+agents counted (``client.count``: ``agent/tool_error/timeout``, ``agent/endpoint_error/model_not_found``, ...).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class RolloutMonitor(L.Callback):
                                    f"{pl_module.source.max_lag}")
         metrics = {f"samples/{k}": s.get(f"new/{k}", 0.0) for k in self.COUNTERS}
         metrics.update({f"samples/{k}_total": s.get(f"total/{k}", 0.0) for k in self.COUNTERS})
+        for key, total in s.items():  # what agents counted (client.count): tool errors, refused requests
+            if key.startswith("total/agent/"):
+                name = key[len("total/"):]
+                metrics[name], metrics[f"{name}_total"] = s.get(f"new/{name}", 0.0), total
         # reward over every usable sample generated for this step, the groups a group filter dropped included
         kept_n, filtered_n = len(b.trajectories), s.get("new/dropped_filtered_samples", 0.0)
         kept_sum = sum(t.reward for t in b.trajectories)

@@ -107,9 +107,14 @@ def make_openai_agent(max_tokens: int, score=reward, suffix: str = "", max_turns
                 for call in message.tool_calls:
                     try:
                         code = json.loads(call.function.arguments)["code"]
-                        text = tool_text(await sandbox().run(code))
                     except (ValueError, KeyError, TypeError) as e:
+                        client.count("tool_error/bad_arguments")
                         text = f"error: bad arguments ({e})"
+                    else:
+                        result = await sandbox().run(code)
+                        if not result.ok:  # agent/tool_error/timeout, .../memory, .../exit ... in the step metrics
+                            client.count(f"tool_error/{re.match(r'[a-z]*', result.error).group(0) or 'other'}")
+                        text = tool_text(result)
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
                     outputs.append(text)
                 reply = None  # the episode must end with an answer, not a tool call
