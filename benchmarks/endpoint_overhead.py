@@ -1,10 +1,12 @@
 """The OpenAI-compatible endpoint's cost per request, against calling the engine through the client directly.
 
 The same single-turn chat requests (the default task's questions, ``max_tokens`` new tokens, temperature 1) go to the
-torch engine two ways in one run, alternating rounds: ``direct`` awaits ``AgentClient.chat_turn`` (what ``client.chat``
-does), ``endpoint`` sends them with the stock ``openai.AsyncOpenAI`` client through the loopback endpoint (HTTP, JSON,
-the client's parsing). Each round runs ``--concurrency`` requests at once, as a step's agents do; the table gives the
-median wall time per request of each way, their ratio, and the difference: the endpoint's overhead per request.
+torch engine three ways in one run, alternating rounds: ``direct`` awaits ``AgentClient.chat_turn`` (what
+``client.chat`` does); ``endpoint`` sends them through the loopback endpoint with the stock ``openai.AsyncOpenAI``
+client (``client.openai()``: one shared connection pool; HTTP, JSON, the client's parsing); ``new client`` builds an
+``AsyncOpenAI`` per request, as an agent that makes its own client per run does. Each round runs ``--concurrency``
+requests at once, as a step's agents do; the table gives the median wall time per request of each way, the ratio, and
+the difference from ``direct``: the overhead per request.
 
     python benchmarks/endpoint_overhead.py [--rounds 5] [--concurrency 1,16] [--max-tokens 16]
 """
@@ -36,20 +38,22 @@ async def round_s(way: str, engine, template, endpoint, n: int, max_tokens: int,
     llms = []
     for i, c in enumerate(clients):
         endpoint.register(c, f"{i}")
-        llms.append(openai.AsyncOpenAI(base_url=c.base_url, api_key=c.api_key, max_retries=0))
+        llms.append(endpoint.openai(c.api_key))  # = client.openai(): one shared connection pool
 
     async def one(i):
         if way == "direct":
             await clients[i].chat_turn(questions[i], max_tokens=max_tokens)
-        else:
+        elif way == "endpoint":
             await llms[i].chat.completions.create(model="policy", messages=questions[i], max_tokens=max_tokens)
+        else:  # what an agent that builds its own client per run pays on top
+            async with openai.AsyncOpenAI(base_url=clients[i].base_url, api_key=clients[i].api_key) as llm:
+                await llm.chat.completions.create(model="policy", messages=questions[i], max_tokens=max_tokens)
 
     t0 = time.perf_counter()
     await asyncio.gather(*[one(i) for i in range(n)])
     seconds = (time.perf_counter() - t0) / n
-    for c, llm in zip(clients, llms):
+    for c in clients:
         endpoint.unregister(c)
-        await llm.close()
     return seconds
 
 
@@ -61,16 +65,17 @@ async def main(args) -> None:
     endpoint = Endpoint(["policy"], temperature=1.0)
     await endpoint.start()
     rng = random.Random(0)
-    print("| concurrency | direct ms/request | endpoint ms/request | ratio | overhead ms/request |")
-    print("|---|---|---|---|---|")
+    print("| concurrency | direct ms/request | endpoint (client.openai()) | ratio | overhead ms | endpoint, a new "
+          "AsyncOpenAI per request | overhead ms |")
+    print("|---|---|---|---|---|---|---|")
     for n in args.concurrency:
         await round_s("endpoint", engine, template, endpoint, n, args.max_tokens, rng)  # warm-up: connections, JIT
-        times = {"direct": [], "endpoint": []}
+        times = {"direct": [], "endpoint": [], "new-client": []}
         for _ in range(args.rounds):
             for way in times:
                 times[way].append(await round_s(way, engine, template, endpoint, n, args.max_tokens, rng))
-        d, e = (statistics.median(times[w]) * 1e3 for w in ("direct", "endpoint"))
-        print(f"| {n} | {d:.2f} | {e:.2f} | {e / d:.2f} | {e - d:.2f} |")
+        d, e, c = (statistics.median(times[w]) * 1e3 for w in ("direct", "endpoint", "new-client"))
+        print(f"| {n} | {d:.2f} | {e:.2f} | {e / d:.2f} | {e - d:.2f} | {c:.2f} | {c - d:.2f} |")
     await endpoint.stop()
     await engine.shutdown()
 

@@ -49,6 +49,7 @@ class AgentClient:
         self._tools: list | None = None  # the tools the current segment was rendered with
         self.endpoint_key: str | None = None  # set while the run's OpenAI-compatible endpoint serves this client
         self.base_url: str | None = None
+        self.endpoint = None  # the run's OpenAI-compatible endpoint, when one serves this client
         self.lock = asyncio.Lock()  # the endpoint serves one request of a trajectory at a time
 
     @property
@@ -79,6 +80,13 @@ class AgentClient:
         """This agent run's key for the run's OpenAI-compatible endpoint (``base_url``): it ties requests to this
         trajectory. ``openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key)``."""
         return self.endpoint_key
+
+    def openai(self):
+        """A stock ``openai.AsyncOpenAI`` bound to this trajectory: ``AsyncOpenAI(base_url=client.base_url,
+        api_key=client.api_key)`` without the ~40 ms it takes to build one (it shares the run's connection pool)."""
+        if self.endpoint is None:
+            raise RuntimeError("no OpenAI-compatible endpoint serves this client (it needs a chat template)")
+        return self.endpoint.openai(self.api_key)
 
     async def generate(self, context_ids: list[int] | None = None, *, max_tokens: int | None) -> Generation:
         """Append ``context_ids``, then sample up to ``max_tokens`` tokens (``None``: up to ``max_context``)

@@ -87,39 +87,36 @@ def make_openai_agent(max_tokens: int, score=reward, suffix: str = "", max_turns
     async def agent(client, sample: dict[str, Any]) -> float:
         import openai
 
-        llm = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, max_retries=0)
+        llm = client.openai()  # = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key), built cheaply
         messages: list[dict[str, Any]] = [{"role": "user", "content": sample["question"] + suffix}]
         reply, outputs = None, []
-        try:
-            for _ in range(max_turns):
+        for _ in range(max_turns):
+            try:
+                response = await llm.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
+                                                             max_tokens=max_tokens)
+            except openai.BadRequestError as e:
+                if e.code != "context_length_exceeded":
+                    raise
+                break  # the conversation outgrew the context: the episode ends unanswered
+            message = response.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            reply = message.content
+            if not message.tool_calls:
+                break
+            for call in message.tool_calls:
                 try:
-                    response = await llm.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
-                                                                 max_tokens=max_tokens)
-                except openai.BadRequestError as e:
-                    if e.code != "context_length_exceeded":
-                        raise
-                    break  # the conversation outgrew the context: the episode ends unanswered
-                message = response.choices[0].message
-                messages.append(message.model_dump(exclude_none=True))
-                reply = message.content
-                if not message.tool_calls:
-                    break
-                for call in message.tool_calls:
-                    try:
-                        code = json.loads(call.function.arguments)["code"]
-                    except (ValueError, KeyError, TypeError) as e:
-                        client.count("tool_error/bad_arguments")
-                        text = f"error: bad arguments ({e})"
-                    else:
-                        result = await sandbox().run(code)
-                        if not result.ok:  # agent/tool_error/timeout, .../memory, .../exit ... in the step metrics
-                            client.count(f"tool_error/{re.match(r'[a-z]*', result.error).group(0) or 'other'}")
-                        text = tool_text(result)
-                    messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
-                    outputs.append(text)
-                reply = None  # the episode must end with an answer, not a tool call
-        finally:
-            await llm.close()
+                    code = json.loads(call.function.arguments)["code"]
+                except (ValueError, KeyError, TypeError) as e:
+                    client.count("tool_error/bad_arguments")
+                    text = f"error: bad arguments ({e})"
+                else:
+                    result = await sandbox().run(code)
+                    if not result.ok:  # agent/tool_error/timeout, .../memory, .../exit ... in the step metrics
+                        client.count(f"tool_error/{re.match(r'[a-z]*', result.error).group(0) or 'other'}")
+                    text = tool_text(result)
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+                outputs.append(text)
+            reply = None  # the episode must end with an answer, not a tool call
         return score(reply, sample, outputs)
 
     return agent
