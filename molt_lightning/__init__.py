@@ -1,12 +1,13 @@
 """molt-lightning: one asynchronous RL loop for LLM agents, on Lightning.
 
-``AsyncRLModule`` (the loop), ``AgentClient``/``AgentResult`` (what an agent sees and returns). Imports are lazy so
-that ``import molt_lightning.bench`` does not pull in torch or Lightning.
+``AsyncRLModule`` (the loop), ``AgentClient``/``AgentResult`` (what an agent sees and returns), ``Environment``/``Step``
+(gym-style environments, an alternative to agent programs). Imports are lazy so that ``import molt_lightning.bench``
+does not pull in torch or Lightning.
 """
 
 from __future__ import annotations
 
-__all__ = ["AgentClient", "AgentResult", "AsyncRLModule"]
+__all__ = ["AgentClient", "AgentResult", "AsyncRLModule", "Environment", "Step"]
 
 
 def __getattr__(name: str):
@@ -18,4 +19,8 @@ def __getattr__(name: str):
         from . import client
 
         return getattr(client, name)
+    if name in ("Environment", "Step"):
+        from . import envs
+
+        return getattr(envs, name)
     raise AttributeError(f"module 'molt_lightning' has no attribute {name!r}")
