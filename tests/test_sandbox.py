@@ -205,14 +205,14 @@ def test_missing_bwrap_is_a_clear_error(monkeypatch):
         PythonSandbox()
 
 
-HANGING = PythonSandbox(wall_s=1.0, cpu_s=1, memory_mb=128) if shutil.which("bwrap") else None
+HANGING: list[PythonSandbox] = []  # made by the test (construction probes bwrap: never at import)
 
 
 async def hanging_tool_agent(client, sample) -> float:
     """Chats once, then runs a tool that never ends (every other run) or a fine one; the tool error is counted."""
     reply = await client.chat([{"role": "user", "content": sample["question"]}], max_tokens=8)
     code = "while True: pass" if client.trajectory.info["index"] % 2 == 0 else "print(1)"
-    result = await HANGING.run(code)
+    result = await HANGING[0].run(code)
     if not result.ok:
         client.count(f"tool_error/{result.error.split(':')[0]}")
     return float(result.ok) + 0.0 * len(reply)
@@ -226,6 +226,7 @@ def test_a_hanging_tool_is_killed_counted_and_the_run_goes_on(tmp_path):
     from molt_lightning.engines import TorchEngine
     from molt_lightning.module import AsyncRLModule
 
+    HANGING[:] = [PythonSandbox(wall_s=1.0, cpu_s=1, memory_mb=128)]
     module = AsyncRLModule(agent=hanging_tool_agent, engine=TorchEngine(seed=0), group_size=4, prompts_per_step=2,
                            lr=3e-4, max_failure_rate=1.0)
     trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=CSVLogger(tmp_path), log_every_n_steps=1,

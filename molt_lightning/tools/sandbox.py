@@ -13,7 +13,8 @@ RLIMIT_NPROC counts the processes of a real uid, and root is exempt. So as root 
 namespace) and the launcher, which alone keeps CAP_SETUID/CAP_SETGID, drops to a fresh random unprivileged uid each
 run; directories that uid cannot search on the way to the interpreter (/root is 0700) are covered by an empty tmpfs
 holding only the interpreter's install. As a normal user bwrap makes a user namespace (no nested ones), in which the
-limit counts only the sandbox's processes. Not limited: memory outside the address space (page cache, memfd; as root
+limit counts only the sandbox's processes. An interpreter installed under /tmp (a clone there) is bound back in. Not
+limited: memory outside the address space (page cache, memfd; as root
 also tmpfs in a nested user namespace) and the total size of the private directory.
 """
 
@@ -86,9 +87,10 @@ class PythonSandbox:
         else:
             self._bwrap += ["--unshare-user", "--disable-userns"]
         self._bwrap += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-        if self._root:  # the installs: e.g. the venv, and /root/.pyenv/versions/3.11.7 that its bin/python links to
-            installs = {os.path.dirname(os.path.dirname(p)) for p in (self.python, os.path.realpath(self.python))}
-            self._bwrap += _reexpose(installs)
+        # the installs: e.g. the venv, and /root/.pyenv/versions/3.11.7 that its bin/python links to
+        self._installs = {os.path.dirname(os.path.dirname(p)) for p in (self.python, os.path.realpath(self.python))}
+        if self._root:
+            self._bwrap += _reexpose(self._installs)
         if (bwrap, self.python) not in _working:
             self._probe()
             _working.add((bwrap, self.python))
@@ -101,7 +103,15 @@ class PythonSandbox:
                "PYTHONDONTWRITEBYTECODE": "1", "PATH": f"{os.path.dirname(self.python)}:/usr/local/bin:/usr/bin:/bin",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
         hidden = sorted({"/tmp", os.path.dirname(workdir)})  # no host temp files, no other sandbox's directory
-        argv = [*self._bwrap, *[a for path in hidden for a in ("--tmpfs", path)], "--bind", workdir, workdir]
+        argv = [*self._bwrap, *[a for path in hidden for a in ("--tmpfs", path)]]
+        for install in sorted(self._installs):  # an interpreter that lives in a hidden folder (a clone in /tmp)
+            top = next((h for h in hidden if install.startswith(h + "/")), None)
+            if top is not None:
+                parts = install[len(top) + 1:].split("/")
+                argv += [a for i in range(1, len(parts)) for a in ("--perms", "0755", "--dir",
+                                                                   "/".join([top, *parts[:i]]))]
+                argv += ["--ro-bind", install, install]
+        argv += ["--bind", workdir, workdir]
         argv += [a for path in [*hidden, "/dev"] for a in ("--remount-ro", path)]
         argv += [a for key, value in env.items() for a in ("--setenv", key, value)]
         return argv + ["--chdir", workdir, "--", self.python, "-I", "-S", "-c", _LAUNCHER, str(uid), limits, *program]
