@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -204,9 +205,13 @@ def _engine(kind):
     return VLLMEngine(seed=0)
 
 
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
+                                 reason="the python tool's sandbox needs bubblewrap: apt-get install bubblewrap")
+
+
+@needs_bwrap
 @pytest.mark.parametrize("kind", ["torch", pytest.param("vllm", marks=pytest.mark.slow)])
 def test_openai_client_agent_trains_only_on_engine_tokens(kind, tool_policy, tmp_path, monkeypatch):
-    pytest.importorskip("molt_lightning.tools.sandbox")
     from transformers import AutoTokenizer
 
     engine = _engine(kind)
@@ -226,13 +231,13 @@ def test_openai_client_agent_trains_only_on_engine_tokens(kind, tool_policy, tmp
     assert module.source.counts["status_failed"] == 0
 
 
+@needs_bwrap
 def test_python_tool_recipe_runs_through_the_cli(tool_policy, tmp_path):
     import os
     import subprocess
 
     import pandas as pd
 
-    pytest.importorskip("molt_lightning.tools.sandbox")
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
         [sys.executable, "-m", "molt_lightning.cli", "fit", "--config", "recipes/python_tool.yaml",
