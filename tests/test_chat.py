@@ -1,33 +1,17 @@
 """Chat turns become tokens by template deltas; policy tokens are never re-tokenized."""
 
 import asyncio
+import sys
+from pathlib import Path
 
 import pytest
 
 from molt_lightning.chat import ChatTemplate
 from molt_lightning.client import AgentClient
-from molt_lightning.engines.base import Generation, RolloutEngine
 from molt_lightning.trajectory import Kind, Trajectory
 
-
-class ScriptedEngine(RolloutEngine):
-    """Returns pre-set replies (as token ids with logprob -0.5): lets these tests pin the client's bookkeeping."""
-
-    def __init__(self, replies):
-        super().__init__()
-        self.replies, self.prompts = list(replies), []
-
-    async def start(self, model_path): ...
-    async def shutdown(self): ...
-    async def _stage(self, bucket): ...
-    async def _commit(self, version): ...
-    async def pause(self): ...
-    async def resume(self): ...
-
-    async def _generate(self, prompt_ids, sampling):
-        self.prompts.append(prompt_ids)
-        ids = self.replies.pop(0)
-        return Generation(ids, [-0.5] * len(ids), [7] * len(ids), "stop")
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from scripted import ScriptedEngine  # noqa: E402
 
 
 def test_incremental_turns_equal_rendering_the_whole_conversation(tokenizer):
@@ -54,7 +38,7 @@ def test_client_keeps_generated_ids_and_masks_tool_turns(tokenizer):
     # A reply whose ids are NOT the canonical tokenization of its text: re-tokenizing would change them.
     odd = [t.encode("C")[0], t.encode("A")[0], t.encode("L")[0], t.encode("C")[0]] + t.encode(" 1+1") + [t.eos_id]
     final = t.encode("ANSWER 2") + [t.eos_id]
-    engine = ScriptedEngine([odd, final])
+    engine = ScriptedEngine([odd, final], version=7)
     traj = Trajectory(sample_id=0, group_id=0)
     client = AgentClient(engine, traj, t, temperature=1.0, max_context=256)
 
@@ -76,7 +60,7 @@ def test_client_keeps_generated_ids_and_masks_tool_turns(tokenizer):
 
 def test_rewritten_history_starts_a_new_segment(tokenizer):
     t = ChatTemplate(tokenizer)
-    engine = ScriptedEngine([t.encode("CALC 1+1") + [t.eos_id], t.encode("ANSWER 2") + [t.eos_id]])
+    engine = ScriptedEngine([t.encode("CALC 1+1") + [t.eos_id], t.encode("ANSWER 2") + [t.eos_id]], version=7)
     traj = Trajectory(sample_id=0, group_id=0)
     client = AgentClient(engine, traj, t, temperature=1.0, max_context=256)
 

@@ -19,35 +19,15 @@ from molt_lightning.chat import ChatTemplate
 from molt_lightning.client import AgentClient
 from molt_lightning.endpoint import Endpoint
 from molt_lightning.engines import TorchEngine
-from molt_lightning.engines.base import Generation, RolloutEngine
 from molt_lightning.module import AsyncRLModule
 from molt_lightning.tasks import python_tool
 from molt_lightning.trajectory import Kind, Trajectory
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 from invariant import Batches, check_trained_tokens, record_generations  # noqa: E402
+from scripted import ScriptedEngine  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is 12*34?"}]
-
-
-class ScriptedEngine(RolloutEngine):
-    """Returns pre-set replies as token ids (logprob -0.5, version 3)."""
-
-    def __init__(self, replies):
-        super().__init__()
-        self.replies, self.prompts = list(replies), []
-
-    async def start(self, model_path): ...
-    async def shutdown(self): ...
-    async def _stage(self, bucket): ...
-    async def _commit(self, version): ...
-    async def pause(self): ...
-    async def resume(self): ...
-
-    async def _generate(self, prompt_ids, sampling):
-        self.prompts.append(prompt_ids)
-        ids = self.replies.pop(0)[: sampling.max_tokens]
-        return Generation(ids, [-0.5] * len(ids), [3] * len(ids), "stop")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +41,7 @@ def tool_tokenizer():
 def serve(tokenizer, replies, scenario, max_context=256):
     """Run ``scenario(llm, client)`` against an endpoint in front of a scripted engine; returns (result, client)."""
     template = ChatTemplate(tokenizer)
-    engine = ScriptedEngine([template.encode(r) + [template.eos_id] for r in replies])
+    engine = ScriptedEngine([template.encode(r) + [template.eos_id] for r in replies], version=3)
 
     async def main():
         endpoint = Endpoint(["policy"], temperature=1.0)

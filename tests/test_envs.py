@@ -20,16 +20,19 @@ import pytest
 import torch
 
 from molt_lightning.chat import ChatTemplate
-from molt_lightning.cli import main
 from molt_lightning.client import AgentClient
 from molt_lightning.engines import TorchEngine
-from molt_lightning.engines.base import Generation, RolloutEngine
 from molt_lightning.envs import Environment, Step, env_agent
 from molt_lightning.module import AsyncRLModule
 from molt_lightning.rollout import request_seed
 from molt_lightning.tasks import arithmetic
 from molt_lightning.tasks.arithmetic_env import MAX_TOKENS, MAX_TURNS, CalculatorEnv
 from molt_lightning.trajectory import Kind, Status, Trajectory
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from invariant import trained_runs  # noqa: E402
+from scripted import ScriptedEngine  # noqa: E402
+from test_bad_inputs import answer  # noqa: E402  (``molt fit`` must stop with a short error)
 
 ROOT = Path(__file__).resolve().parents[1]
 EPISODES: dict[int, dict] = {}  # what every ScoredEnv saw, by episode id (envs run on the engine's loop thread)
@@ -89,17 +92,6 @@ def record_generations(engine, monkeypatch):
 
     monkeypatch.setattr(engine, "generate", generate)
     return records
-
-
-def trained_runs(mask: list[bool]) -> list[tuple[int, int]]:
-    runs, start = [], None
-    for i, m in enumerate([*mask, False]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
 
 
 def test_environment_trains_end_to_end(tmp_path, monkeypatch, tokenizer, caplog):
@@ -170,25 +162,6 @@ class NoObservation(Environment):
         NoObservation.closed += 1
 
 
-class ScriptedEngine(RolloutEngine):
-    """Answers every request with the same reply (token ids, logprob -0.5, version 0)."""
-
-    def __init__(self, reply):
-        super().__init__()
-        self.reply, self.prompts = reply, []
-
-    async def start(self, model_path): ...
-    async def shutdown(self): ...
-    async def _stage(self, bucket): ...
-    async def _commit(self, version): ...
-    async def pause(self): ...
-    async def resume(self): ...
-
-    async def _generate(self, prompt_ids, sampling):
-        self.prompts.append(prompt_ids)
-        return Generation(list(self.reply), [-0.5] * len(self.reply), [0] * len(self.reply), "stop")
-
-
 def play(agent, engine, template, sample, seed=None) -> tuple[Trajectory, object]:
     traj = Trajectory(sample_id=0, group_id=0)
     client = AgentClient(engine, traj, template, temperature=1.0, max_context=256, seed=seed)
@@ -197,7 +170,8 @@ def play(agent, engine, template, sample, seed=None) -> tuple[Trajectory, object
 
 def test_bad_steps_fail_the_run_with_the_reason_and_still_close(tokenizer):
     t = ChatTemplate(tokenizer)
-    engine, sample = ScriptedEngine(t.encode("ANSWER 1") + [t.eos_id]), {"question": "What is 1+1?", "answer": 2}
+    engine = ScriptedEngine(itertools.repeat(t.encode("ANSWER 1") + [t.eos_id]))
+    sample = {"question": "What is 1+1?", "answer": 2}
     with pytest.raises(TypeError, match="NotAStep.step returned dict, not a Step"):
         play(env_agent(NotAStep), engine, t, sample)
     with pytest.raises(ValueError, match=r"got None: return one from NoObservation.step \(or end the episode with"):
@@ -209,10 +183,10 @@ def test_calculator_env_at_max_turns_is_the_agent_plus_a_truncation_mark(tokeniz
     """Three ``CALC`` replies: both stop with reward 0 after the same tokens; the environment marks it truncated."""
     t = ChatTemplate(tokenizer)
     sample = arithmetic.make_problem(random.Random(0))
-    agent_traj, agent_reward = play(arithmetic.calculator_agent, ScriptedEngine(t.encode("CALC 2*3") + [t.eos_id]),
-                                    t, sample)
-    env_traj, result = play(env_agent(CalculatorEnv, MAX_TURNS, MAX_TOKENS),
-                            ScriptedEngine(t.encode("CALC 2*3") + [t.eos_id]), t, sample)
+    calc = t.encode("CALC 2*3") + [t.eos_id]
+    agent_traj, agent_reward = play(arithmetic.calculator_agent, ScriptedEngine(itertools.repeat(calc)), t, sample)
+    env_traj, result = play(env_agent(CalculatorEnv, MAX_TURNS, MAX_TOKENS), ScriptedEngine(itertools.repeat(calc)),
+                            t, sample)
     assert env_traj.segments == agent_traj.segments and len(env_traj.segments[0]) == 2 * MAX_TURNS
     assert agent_reward == result.reward == 0.0
     assert result.info == {"turns": MAX_TURNS, "env_truncated": True}
@@ -279,15 +253,6 @@ def recipe(tmp_path, policy_path, monkeypatch):
     path = tmp_path / "recipe.yaml"
     path.write_text(FAST.format(root=tmp_path, policy=policy_path))
     return str(path)
-
-
-def answer(capsys, *args: str) -> str:
-    with pytest.raises(SystemExit) as stop:
-        main(["fit", *args])
-    assert stop.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and len(err.splitlines()) <= 16, err
-    return err
 
 
 async def other_agent(client, sample):

@@ -32,6 +32,18 @@ def record_generations(engine, monkeypatch):
     return records
 
 
+def trained_runs(mask: list[bool]) -> list[tuple[int, int]]:
+    """The (start, end) of every run of trained positions in a loss mask."""
+    runs, start = [], None
+    for i, m in enumerate([*mask, False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
 def check_trained_tokens(records, batches: Batches, tokenizer, max_lag: int = 1, tool_marker="<|im_start|>tool"):
     """Assert the invariant on every trained row; returns how many tool turns the trained rows held as context."""
     by_context = {}  # samples of one prompt often generate the same ids, with other versions (and logprobs) in flight
@@ -41,13 +53,7 @@ def check_trained_tokens(records, batches: Batches, tokenizer, max_lag: int = 1,
     for version, b in batches.seen:
         for row in range(b.input_ids.shape[0]):
             ids, mask = b.input_ids[row].tolist(), b.loss_mask[row].tolist()
-            runs, start = [], None
-            for i, m in enumerate(mask + [False]):
-                if m and start is None:
-                    start = i
-                elif not m and start is not None:
-                    runs.append((start, i))
-                    start = None
+            runs = trained_runs(mask)
             assert runs
             for s, e in runs:
                 candidates, versions = by_context[tuple(ids[:e])], b.versions[row, s:e].tolist()
