@@ -47,9 +47,8 @@ class AgentClient:
         self._messages: list[Message] | None = None  # what the current segment's tokens render (chat mode)
         self._last_gen: list[int] = []
         self._tools: list | None = None  # the tools the current segment was rendered with
-        self.endpoint_key: str | None = None  # set while the run's OpenAI-compatible endpoint serves this client
-        self.base_url: str | None = None
-        self.endpoint = None  # the run's OpenAI-compatible endpoint, when one serves this client
+        self.endpoint = None  # the run's OpenAI-compatible endpoint, when one serves this client (it sets both)
+        self.api_key: str | None = None  # this run's key there: it ties the endpoint's requests to this trajectory
         self.lock = asyncio.Lock()  # the endpoint serves one request of a trajectory at a time
 
     @property
@@ -76,10 +75,10 @@ class AgentClient:
             self._counter(name, n)
 
     @property
-    def api_key(self) -> str | None:
-        """This agent run's key for the run's OpenAI-compatible endpoint (``base_url``): it ties requests to this
-        trajectory. ``openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key)``."""
-        return self.endpoint_key
+    def base_url(self) -> str | None:
+        """The run's OpenAI-compatible endpoint: ``openai.AsyncOpenAI(base_url=client.base_url,
+        api_key=client.api_key)``."""
+        return None if self.endpoint is None else self.endpoint.base_url
 
     def openai(self):
         """A stock ``openai.AsyncOpenAI`` bound to this trajectory: ``AsyncOpenAI(base_url=client.base_url,

@@ -103,12 +103,11 @@ class Endpoint:
 
     def register(self, client: AgentClient, label: str) -> None:
         """Give ``client`` its own API key (the trajectory's handle) and the endpoint's URL."""
-        client.endpoint_key = f"molt-{label}-{secrets.token_hex(6)}"
-        client.base_url, client.endpoint = self.base_url, self
-        self.clients[client.endpoint_key] = client
+        client.api_key, client.endpoint = f"molt-{label}-{secrets.token_hex(6)}", self
+        self.clients[client.api_key] = client
 
     def unregister(self, client: AgentClient) -> None:
-        self.clients.pop(client.endpoint_key, None)
+        self.clients.pop(client.api_key, None)
 
     # ----- routes -----
     async def _models(self, request):
