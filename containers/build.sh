@@ -6,8 +6,7 @@
 # 2. The image: containers/Dockerfile.cpu with `buildah bud --isolation chroot --layers` (the chroot shares the host's
 #    network, so apt and pip inside reach the same registries; the layer cache makes an unchanged rebuild take
 #    seconds). From the host it mounts, never copies: the torch==2.13.0+cpu wheel ($WHEELS), the CA bundle pip needs
-#    behind this machine's registry proxy ($CA), and the molt cache ($POLICY_CACHE) so that an already built tiny
-#    policy is taken instead of built again. Each is skipped when absent.
+#    behind this machine's registry proxy ($CA). Each is skipped when absent.
 # Run it with buildah (podman run fails on these machines): see containers/README.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +15,6 @@ BASE=${BASE:-localhost/debian:bookworm-minbase}
 MIRROR=${MIRROR:-http://deb.debian.org/debian}
 WHEELS=${WHEELS:-/opt/wheels}
 CA=${CA:-/etc/ssl/certs/ca-certificates.crt}
-POLICY_CACHE=${POLICY_CACHE-${MOLT_CACHE:-$HOME/.cache/molt-lightning}}  # POLICY_CACHE= builds the policy inside
 
 if ! buildah inspect --type image "$BASE" >/dev/null 2>&1; then
   ctr=$(buildah from scratch)
@@ -32,9 +30,6 @@ if compgen -G "$WHEELS/torch-2.13.0+cpu-*.whl" >/dev/null; then
 fi
 if [ -f "$CA" ]; then
   host+=(--volume "$CA:/host-ca.crt:ro" --build-arg PIP_CA=/host-ca.crt)
-fi
-if compgen -G "$POLICY_CACHE/tiny-arithmetic-*/model.safetensors" >/dev/null; then
-  host+=(--volume "$POLICY_CACHE:/host-molt-cache:ro" --build-arg POLICY_CACHE=/host-molt-cache)
 fi
 buildah bud --isolation chroot --layers --build-arg BASE="$BASE" "${host[@]}" \
   -f containers/Dockerfile.cpu --ignorefile containers/Dockerfile.cpu.dockerignore -t "$IMAGE" .

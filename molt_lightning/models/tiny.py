@@ -1,13 +1,17 @@
 """The embedded default policy: a tiny Llama and a byte-level BPE tokenizer, made offline by this code.
 
 ``arithmetic_policy()`` returns a Hugging Face model folder (config, safetensors, tokenizer with a ChatML template)
-that transformers and vLLM both load. It is built once per machine and cached (``$MOLT_CACHE`` or
-``~/.cache/molt-lightning``): a tokenizer trained on synthetic dialogues, a random-init ~0.6M-parameter Llama, and a
-short supervised warm start on demonstrations of the calculator task (``tasks.arithmetic.demonstration``): first on
-tool-heavy data until it reliably copies the expression into the call and the result into the answer, then on data
-where the tool is used 15% of the time, so the policy starts out mostly guessing (reward about 0.15). Seeded, but not
-bit-identical across machines or thread counts (float reduction order); ``build`` checks the result instead (see
-there) and records it in ``molt_spec.json``. About 3 minutes on 2 cores. No hub access anywhere.
+that transformers and vLLM both load: a tokenizer trained on synthetic dialogues, a random-init ~0.6M-parameter Llama,
+and a short supervised warm start on demonstrations of the calculator task (``tasks.arithmetic.demonstration``): first
+on tool-heavy data until it reliably copies the expression into the call and the result into the answer, then on data
+where the tool is used 15% of the time, so the policy starts out mostly guessing (reward about 0.15). No hub access.
+
+Shipped, and the script that makes it: the package carries one build of each spec below in ``models/prebuilt/`` (2.2
+MB each; ``python -m molt_lightning.models.tiny`` rebuilds them there, ~5 minutes each on this machine), so a fresh
+clone trains at once and every machine trains the same weights. A spec without a shipped build (an edited ``SPEC``, a
+spec of your own) is built on first use and cached (``$MOLT_CACHE`` or ``~/.cache/molt-lightning``), with a log line
+per phase. A build is seeded but not bit-identical across machines or thread counts (float reduction order);
+``build`` checks the result instead (see there) and records it in ``molt_spec.json``.
 """
 
 from __future__ import annotations
@@ -54,15 +58,27 @@ def _task(spec: dict):
     return {"arithmetic": arithmetic, "python_tool": python_tool}[spec.get("task", "arithmetic")]
 
 
+PREBUILT = Path(__file__).parent / "prebuilt"
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt-lightning"))
 
 
-def arithmetic_policy(spec: dict | None = None) -> str:
-    """Path of the cached warm-started policy folder, building it on first use (about 3 minutes on 2 cores)."""
-    spec = spec or SPEC
+def folder_name(spec: dict) -> str:
+    """The folder a spec builds into: its task and a hash of everything that determines the content."""
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    return cached_folder(f"tiny-{spec.get('task', 'arithmetic').replace('_', '-')}-{key}", lambda out: build(out, spec))
+    return f"tiny-{spec.get('task', 'arithmetic').replace('_', '-')}-{key}"
+
+
+def arithmetic_policy(spec: dict | None = None) -> str:
+    """Path of the warm-started policy folder: the shipped build of ``spec``, else the cached one, built on first use
+    (about 5 minutes on this machine)."""
+    spec = spec or SPEC
+    name = folder_name(spec)
+    if (PREBUILT / name / "model.safetensors").exists():
+        return str(PREBUILT / name)
+    return cached_folder(name, lambda out: build(out, spec))
 
 
 def python_tool_policy() -> str:
@@ -232,6 +248,8 @@ def build(out: Path, spec: dict) -> None:
     model.train()
     rounds = []
     for r, n in enumerate(sft["rounds"]):  # annealed rounds until the tool route is reliable
+        log.warning("building the tiny policy %s (no shipped build of this spec; cached once built): phase-1 "
+                    "round %d, %d steps", folder_name(spec), r + 1, n)
         for i in range(n):
             step(sft["p_tool"], cosine(i, n, sft["lr"] / (1 + r)))
         model.eval()
@@ -252,3 +270,14 @@ def build(out: Path, spec: dict) -> None:
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / "molt_spec.json").write_text(json.dumps(spec, indent=1))
+
+
+if __name__ == "__main__":  # rebuild the shipped policies: python -m molt_lightning.models.tiny
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    for spec in (SPEC, PYTHON_TOOL_SPEC):
+        target = PREBUILT / folder_name(spec)
+        shutil.rmtree(target, ignore_errors=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            build(Path(tmp), spec)
+            shutil.copytree(tmp, target)
+        print(target)
