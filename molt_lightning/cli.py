@@ -3,7 +3,9 @@
 Every Trainer flag works (``--trainer.max_steps 3``); ``--trainer.strategy`` is ``auto``, ``ddp`` or ``fsdp2``
 (two CPU processes: ``--trainer.devices 2``). vLLM is imported only when an engine starts, so ``--help`` answers at
 once. The progress bar counts optimizer steps (``StepProgressBar``) unless the recipe brings its own or
-``--trainer.enable_progress_bar false``. Checkpoints are written atomically, a full disk named
+``--trainer.enable_progress_bar false``; a summary closes the run (``RunSummary``). On a terminal (or with
+``MOLT_QUIET=1``) that is all the terminal shows: everything else goes to ``molt.log`` in the run folder
+(``callbacks.runlog``). Checkpoints are written atomically, a full disk named
 (``callbacks.checkpoint.AtomicCheckpointIO``), unless the recipe brings its own ``CheckpointIO``.
 
 A bad recipe is answered before anything starts, with the problem and its fix and no traceback: jsonargparse's
@@ -22,6 +24,7 @@ import inspect
 import re
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 from lightning.pytorch.cli import LightningArgumentParser
 
@@ -152,8 +155,11 @@ def main(args: list[str] | None = None) -> None:
 
     from .callbacks import StepProgressBar
     from .callbacks.checkpoint import AtomicCheckpointIO, DiskFull
+    from .callbacks.runlog import QuietTerminal, RunSummary, wants_quiet
     from .module import AsyncRLModule
     from .parallel import STRATEGIES, SUPPORTED
+
+    quiet: list[QuietTerminal] = []  # the fit's quiet terminal, once it is set up
 
     class MoltCLI(LightningCLI):
         def before_instantiate_classes(self) -> None:
@@ -163,7 +169,14 @@ def main(args: list[str] | None = None) -> None:
 
         def instantiate_classes(self) -> None:
             with self._answered():
+                if self.subcommand == "fit" and wants_quiet():
+                    quiet.append(QuietTerminal())
                 super().instantiate_classes()
+
+        def before_fit(self) -> None:
+            if quiet:  # the run folder is known now; the log moves there before fit starts any other process
+                logger = self.trainer.logger
+                quiet[0].move_to(Path(logger.log_dir if logger else self.trainer.default_root_dir) / "molt.log")
 
         @contextmanager
         def _answered(self):
@@ -181,9 +194,11 @@ def main(args: list[str] | None = None) -> None:
                 hint = " (FSDP1 needs a GPU; FSDP2 runs on the CPU too)" if strategy.startswith("fsdp") else ""
                 raise ValueError(f"--trainer.strategy {strategy!r} is not supported: use {SUPPORTED}{hint}")
             callbacks = list(trainer.get("callbacks") or [])
+            terminal = quiet[0].terminal if quiet else None
             if trainer.get("enable_progress_bar") is not False \
                     and not any(isinstance(c, ProgressBar) for c in callbacks):
-                kwargs["callbacks"] = [*callbacks, StepProgressBar()]
+                callbacks.append(StepProgressBar(console_kwargs={"file": terminal} if terminal else None))
+            kwargs["callbacks"] = [*callbacks, RunSummary(out=terminal)]
             plugins = trainer.get("plugins") or []
             plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
             if isinstance(strategy, str) and not any(isinstance(p, CheckpointIO) for p in plugins):
@@ -192,6 +207,7 @@ def main(args: list[str] | None = None) -> None:
 
     from .rollout import RolloutFailures, RolloutStopped
 
+    failed = True
     try:
         MoltCLI(
             AsyncRLModule,
@@ -201,6 +217,10 @@ def main(args: list[str] | None = None) -> None:
             args=args,
             auto_configure_optimizers=False,
         )
+        failed = False
+    except SystemExit as e:
+        failed = e.code not in (0, None)
+        raise
     except RolloutStopped as e:  # SIGTERM while waiting for rollouts: the engine is shut down by now
         print(f"molt: {e}", file=sys.stderr)
         sys.exit(128 + 15)
@@ -210,6 +230,9 @@ def main(args: list[str] | None = None) -> None:
     except DiskFull as e:  # a checkpoint did not fit; the earlier ones are intact
         print(f"molt: {e.strerror}", file=sys.stderr)
         sys.exit(1)
+    finally:
+        if quiet:
+            quiet[0].end(failed)
 
 
 if __name__ == "__main__":  # vLLM's engine core starts with spawn: keep the entry point guarded

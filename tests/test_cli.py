@@ -51,3 +51,33 @@ def test_unsupported_strategy_names_the_choices():
     assert out.returncode != 0
     assert "'fsdp' is not supported: use auto (one process), ddp, fsdp2" in out.stderr
     assert "FSDP2 runs on the CPU too" in out.stderr
+
+
+def quiet_run(*args):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MOLT_QUIET": "1"}
+    return subprocess.run([sys.executable, "-m", "molt_lightning.cli", "fit", "--config", "recipes/default.yaml",
+                           "--model.engine", "molt_lightning.engines.TorchEngine", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_quiet_terminal_shows_the_bar_and_a_summary_and_logs_the_rest_in_the_run_folder(tmp_path):
+    out = quiet_run("--trainer.max_steps", "3", "--trainer.logger.init_args.save_dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    [run_dir] = list((tmp_path / "default").iterdir())
+    log = (run_dir / "molt.log").read_text()
+    assert f"molt: full log in {run_dir / 'molt.log'}" in out.stdout
+    assert "molt: 3 steps in" in out.stdout and "mean reward" in out.stdout and "0 failed, 0 dropped" in out.stdout
+    assert "Step" in out.stdout  # the progress bar stays on the terminal
+    # Lightning's warnings and info (written before and after the run folder existed) are in the log, not on screen
+    assert "dataloader_iter" in log and "GPU available" in log
+    assert "dataloader_iter" not in out.stdout + out.stderr and "GPU available" not in out.stdout + out.stderr
+    assert len((out.stdout + out.stderr).splitlines()) <= 12
+
+
+def test_quiet_terminal_shows_the_end_of_the_log_when_the_run_fails(tmp_path):
+    out = quiet_run("--trainer.max_steps", "1", "--trainer.strategy", "fsdp")  # refused while the Trainer is made
+    assert out.returncode != 0
+    assert "'fsdp' is not supported" in out.stderr and "molt: the run failed; the last" in out.stderr
+    bad = subprocess.run([sys.executable, "-m", "molt_lightning.cli", "fit", "--config", "recipes/default.yaml"],
+                         cwd=ROOT, env={**os.environ, "MOLT_QUIET": "yes"}, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "MOLT_QUIET='yes': use 1" in bad.stderr

@@ -1,0 +1,126 @@
+"""A quiet terminal for ``molt fit``: the progress bar and a short summary on the terminal, the full log in the run
+folder.
+
+``QuietTerminal`` moves file descriptors 1 and 2 (so the vLLM engine process, C++ warnings and Python's ``warnings``
+follow, not only Python's ``sys.stdout``) into a log file, and keeps a handle on the real terminal for the progress bar
+(rich's console, through ``StepProgressBar(console_kwargs=...)``) and the summary. Output made before the run folder
+exists (Trainer set-up) goes to a temporary file and is copied to ``molt.log`` in the run folder as soon as it is known
+(``move_to``, before ``Trainer.fit`` launches any other process, so DDP ranks and the engine inherit the real file). On
+a failure the terminal gets the log's last lines and its path. ``MOLT_QUIET=1`` / ``0`` forces it on / off; by default
+it is on when standard output is a terminal.
+
+``RunSummary`` prints what a user wants after a run: steps and time, the reward at the start and at the end, the
+samples trained, failed and dropped, and where everything was written. Written by hand: Lightning has no run summary,
+and file-descriptor redirection is a few ``os.dup2`` calls.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lightning as L
+
+
+def wants_quiet() -> bool:
+    setting = os.environ.get("MOLT_QUIET", "")
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"MOLT_QUIET={setting!r}: use 1 (progress bar and summary; full log in the run folder), 0 "
+                         "(everything on the terminal), or leave it unset (1 when standard output is a terminal)")
+    child = os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("RANK", "0") != "0"  # inherits rank 0's files
+    return not child and (setting == "1" or (setting == "" and sys.stdout.isatty()))
+
+
+class QuietTerminal:
+    TAIL = 25  # log lines shown on the terminal when the run fails
+
+    def __init__(self):
+        sys.stdout.flush()
+        self.terminal = os.fdopen(os.dup(1), "w", buffering=1)
+        self._saved_err = os.dup(2)
+        self._tmp = tempfile.NamedTemporaryFile(prefix="molt-", suffix=".log", delete=False)
+        self.path = Path(self._tmp.name)
+        self._redirect(self._tmp.fileno())
+
+    @staticmethod
+    def _redirect(fd: int) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+
+    def move_to(self, path: Path) -> None:
+        """Continue the log in ``path`` (what was written so far comes along)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with open(path, "ab") as dst, open(self.path, "rb") as src:
+            shutil.copyfileobj(src, dst)
+        with open(path, "ab") as dst:
+            self._redirect(dst.fileno())
+        self._tmp.close()
+        os.unlink(self.path)
+        self.path = path
+        print(f"molt: full log in {path}", file=self.terminal)
+
+    def end(self, failed: bool) -> None:
+        """Give the terminal back; after a failure, show the log's last lines and where the rest is."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(self.terminal.fileno(), 1)
+        os.dup2(self._saved_err, 2)
+        if failed:
+            lines = self.path.read_text(errors="replace").splitlines()[-self.TAIL:]
+            print("\n".join(lines), file=sys.stderr)
+            print(f"molt: the run failed; the last {len(lines)} lines of its log are above, all of it in {self.path}",
+                  file=sys.stderr)
+
+
+class RunSummary(L.Callback):
+    """Prints, at the end of training on rank 0: steps and wall time, reward at the start and the end, samples."""
+
+    def __init__(self, out=None, first: int = 5, last: int = 10):
+        self.out, self.first, self.last = out, first, last
+        self.started, self.rewards, self.step_times = time.perf_counter(), [], []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._t = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        now = time.perf_counter()
+        self.step_times.append(now - self._t)
+        self._t = now
+        if "reward" in trainer.callback_metrics:
+            self.rewards.append(float(trainer.callback_metrics["reward"]))
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:  # after the progress bar's last frame
+        if stage == "fit" and trainer.global_rank == 0 and self.step_times:
+            print(self.text(trainer), file=self.out or sys.stdout, flush=True)
+
+    def text(self, trainer) -> str:
+        m = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("samples/")}
+        n, r = len(self.step_times), self.rewards
+        head = (f"molt: {n} steps in {_clock(sum(self.step_times))} ({statistics.median(self.step_times):.3g} s/step "
+                f"median); {_clock(time.perf_counter() - self.started)} in all, start-up included")
+        lines = [head]
+        if r:
+            k = min(self.last, len(r))
+            lines.append(f"  mean reward {statistics.fmean(r[:self.first]):.2f} (steps 0-{min(self.first, len(r)) - 1})"
+                         f" -> {statistics.fmean(r[-k:]):.2f} (steps {len(r) - k}-{len(r) - 1})")
+        dropped = sum(m.get(f"samples/dropped_{k}_samples_total", 0) for k in ("stale", "filtered"))
+        lines.append(f"  samples: {m.get('samples/samples_total', 0):.0f} trained, "
+                     f"{m.get('samples/status_failed_total', 0):.0f} failed, {dropped:.0f} dropped "
+                     f"(+ {m.get('samples/dropped_empty_groups_total', 0):.0f} groups without signal)")
+        if trainer.log_dir:
+            lines.append(f"  run folder: {trainer.log_dir} (metrics.csv, reward.png, config.yaml)")
+        return "\n".join(lines)
+
+
+def _clock(seconds: float) -> str:
+    minutes, s = divmod(round(seconds), 60)
+    return f"{minutes} min {s:02d} s" if minutes else f"{seconds:.1f} s"
