@@ -5,6 +5,7 @@
     molt-bench check RUNSET...  # collapse, NaN, missing/repeated steps, mismatch out of range, outliers, lengths
     molt-bench compare A B [--metric M] [--margin D|P%] [--by step|samples|wall] [--allow-diff FIELD] [--report DIR]
                            [--exclude SIDE:SEED] [--accept-check]
+    molt-bench compare-published [NAME=]MEAN,SD,N [NAME=]MEAN,SD,N --goal max|min --margin D|P%  # a paper's numbers
     molt-bench protocols        # the protocols shipped in protocols/, with fingerprints
     molt-bench reproduce NAME [--out DIR]   # re-run a result the READMEs report (--list: which)
 
@@ -72,6 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="give verdicts even over seeds that `molt-bench check` finds errors in")
     c.add_argument("--report", type=Path, default=None, help="report folder (default bench-reports/A-vs-B)")
     c.add_argument("--no-report", action="store_true", help="print only")
+
+    cp = sub.add_parser("compare-published", help="the verdict from published mean, SD and runs per side",
+                        description="Welch, TOST, CIs, verdict and runs needed from two published summaries (e.g. "
+                        "a paper's 119.4 +- 2.3 s over 3 runs). Mann-Whitney, IQM and bootstrap need per-run values "
+                        "and are not computed.")
+    cp.add_argument("a", help="side A as [NAME=]MEAN,SD,N, e.g. molt=119.4,2.3,3 (SD over runs, not a standard error)")
+    cp.add_argument("b", help="side B, the reference for relative margins, e.g. baseline=109.5,10.3,3")
+    cp.add_argument("--goal", required=True, choices=("max", "min"), help="which way is better (min: step time)")
+    cp.add_argument("--margin", required=True, help="equivalence margin: a number, or N%% of B's mean (e.g. 10%%)")
+    cp.add_argument("--metric", default="metric", help="the metric's name, for the report")
+    cp.add_argument("--alpha", type=float, default=0.05)
+    cp.add_argument("--power", type=float, default=0.8, help="target power for the runs-needed advice")
+    cp.add_argument("--json", action="store_true", help="print the numbers as JSON instead")
 
     k = sub.add_parser("check", help="sanity checks on run sets (compare runs them too, before any verdict)")
     k.add_argument("runsets", nargs="+", type=Path)
@@ -147,6 +161,15 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_compare_published(args) -> int:
+    from .published import compare_published, parse_side, text_report
+
+    c = compare_published(parse_side(args.a, "A"), parse_side(args.b, "B"), margin=args.margin, goal=args.goal,
+                          alpha=args.alpha, power=args.power, metric=args.metric)
+    print(json.dumps(c.as_dict(), indent=1) if args.json else text_report(c, args.power))
+    return 0
+
+
 def cmd_check(args) -> int:
     from . import check
     from .runs import load_runset
@@ -184,6 +207,7 @@ def cmd_reproduce(args) -> int:
 
 
 COMMANDS = {"run": cmd_run, "import": cmd_import, "check": cmd_check, "compare": cmd_compare,
+            "compare-published": cmd_compare_published,
             "protocols": cmd_protocols, "reproduce": cmd_reproduce}
 
 if __name__ == "__main__":  # vLLM starts its engine core with spawn: keep the entry point guarded

@@ -2,6 +2,8 @@
 
 The unit of analysis is one number per seed (a run's final reward, its mean step time, ...): side A has ``n_a``
 seeds, side B ``n_b``. Everything here takes those two arrays.
+``published`` gives the same verdict from summaries (mean, SD and seeds per side, as papers report them):
+``decide`` is the rule and seed advice both paths share.
 
 Tests and estimates (library first, by hand only where no library does it):
 - Welch's t-test: ``scipy.stats.ttest_ind(equal_var=False)``.
@@ -188,15 +190,31 @@ def verdict(diff: float, welch_p: float, tost_p: float, goal: str, margin: float
     return "inconclusive", f"inconclusive: {many} seeds per side needed"
 
 
-def compare(a, b, *, margin: float, goal: str = "max", alpha: float = ALPHA, power: float = POWER,
-            metric: str = "metric", n_boot: int = 2000, seed: int = 0) -> Comparison:
-    """All statistics for per-seed values ``a`` (side A) and ``b`` (side B), and the verdict."""
-    a, b = _arr(a, "side A"), _arr(b, "side B")
+def check_goal_margin(goal: str, margin: float) -> None:
     if goal not in ("max", "min"):
         raise ValueError(f"goal must be 'max' or 'min', got {goal!r}")
     if not (margin > 0 and math.isfinite(margin)):
         raise ValueError(f"the equivalence margin must be a positive number, got {margin!r}: set `margin` for the "
                          "metric in the protocol or pass --margin")
+
+
+def decide(diff: float, sd_a: float, sd_b: float, n_a: int, n_b: int, welch_p: float, tost_p: float, *, goal: str,
+           margin: float, alpha: float = ALPHA, power: float = POWER) -> dict:
+    """The verdict and its seed advice from what every path computes (per-seed values here, published summaries in
+    ``published``): seeds per side for the observed difference and for equivalence from the pooled seed SD, the
+    smallest difference these seeds detect, and the rule's (kind, line)."""
+    sd = math.sqrt((sd_a ** 2 + sd_b ** 2) / 2)
+    need = seeds_needed(diff, sd, margin, alpha, power)
+    kind, line = verdict(diff, welch_p, tost_p, goal, margin, alpha, min(need.values()), sd_a == 0 and sd_b == 0)
+    return dict(seeds_for_diff=need["diff"], seeds_for_equiv=need["equiv"],
+                min_detectable_diff=min_detectable(min(n_a, n_b), sd, alpha, power), verdict=line, verdict_kind=kind)
+
+
+def compare(a, b, *, margin: float, goal: str = "max", alpha: float = ALPHA, power: float = POWER,
+            metric: str = "metric", n_boot: int = 2000, seed: int = 0) -> Comparison:
+    """All statistics for per-seed values ``a`` (side A) and ``b`` (side B), and the verdict."""
+    a, b = _arr(a, "side A"), _arr(b, "side B")
+    check_goal_margin(goal, margin)
     diff = float(a.mean() - b.mean())
     sd_a, sd_b = float(a.std(ddof=1)), float(b.std(ddof=1))
     deterministic = sd_a == 0 and sd_b == 0
@@ -206,9 +224,6 @@ def compare(a, b, *, margin: float, goal: str = "max", alpha: float = ALPHA, pow
         ci = w.confidence_interval(1 - alpha) if not deterministic else (diff, diff)
         tost_p = float(ttost_ind(a, b, -margin, margin, usevar="unequal")[0]) if not deterministic else math.nan
     mwu = stats.mannwhitneyu(a, b, alternative="two-sided")
-    sd = math.sqrt((sd_a ** 2 + sd_b ** 2) / 2)
-    need = seeds_needed(diff, sd, margin, alpha, power)
-    kind, line = verdict(diff, float(w.pvalue), tost_p, goal, margin, alpha, min(need.values()), deterministic)
     return Comparison(
         metric=metric, goal=goal, margin=margin, alpha=alpha, n_a=a.size, n_b=b.size,
         mean_a=float(a.mean()), mean_b=float(b.mean()), sd_a=sd_a, sd_b=sd_b, diff=diff,
@@ -220,9 +235,8 @@ def compare(a, b, *, margin: float, goal: str = "max", alpha: float = ALPHA, pow
         prob_improvement=float(prob_improvement(a, b, goal)),
         prob_improvement_ci=bootstrap_ci((a, b), lambda x, y, axis=-1: prob_improvement(x, y, goal), alpha,
                                          n_boot, seed),
-        seeds_for_diff=need["diff"], seeds_for_equiv=need["equiv"],
-        min_detectable_diff=min_detectable(min(a.size, b.size), sd, alpha, power),
-        verdict=line, verdict_kind=kind,
+        **decide(diff, sd_a, sd_b, a.size, b.size, float(w.pvalue), tost_p, goal=goal, margin=margin, alpha=alpha,
+                 power=power),
     )
 
 
