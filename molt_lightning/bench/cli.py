@@ -30,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="run a protocol's seeds on one stack here")
     r.add_argument("protocol", help="a protocol YAML path, or a name from protocols/ (e.g. arithmetic-tiny)")
-    r.add_argument("--stack", required=True, help="molt | molt-sync | trl")
+    r.add_argument("--stack", required=True, help="molt | molt-sync | trl (stock TRL GRPOTrainer, its own generation; "
+                   "single-turn protocols; --engine vllm: its vLLM colocate mode) | trl-rollout-func (TRL with the "
+                   "protocol's multi-turn agent in rollout_func)")
     r.add_argument("--seeds", type=int, default=None, help="run the protocol's first N seeds (default: all)")
     r.add_argument("--out", required=True, type=Path, help="output folder (resumed if it holds the same run)")
     r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

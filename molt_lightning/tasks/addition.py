@@ -56,3 +56,10 @@ async def agent(client, sample: dict[str, Any]) -> float:
     """One chat turn, graded by ``reward``."""
     reply = await client.chat([{"role": "user", "content": sample["question"]}], max_tokens=MAX_TOKENS)
     return reward(reply, sample["answer"])
+
+
+def addition_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """``reward`` as a TRL reward function: TRL passes the completions (conversational: a list holding the assistant
+    message) and the dataset's ``answer`` column, one per completion."""
+    texts = [c if isinstance(c, str) else c[-1].get("content") or "" for c in completions]
+    return [reward(t, a) for t, a in zip(texts, answer, strict=True)]

@@ -87,3 +87,26 @@ def demonstration(rng: random.Random, p_tool: float) -> list[dict[str, str]]:
     # A random guess: the tiny model learns the format, not the arithmetic.
     guess = rng.randint(-99, 99999)
     return [user, {"role": "assistant", "content": f"ANSWER {guess}"}]
+
+
+def tool_call_score(reply: str, sample: dict[str, Any]) -> float:
+    """The single-turn variant's score: 1.0 when the reply is the right tool call, ``CALC`` and the question's
+    expression (the call ``calculator_agent`` would run, parsed as the calculator parses it: ``CALC 37*58`` or
+    ``CALC 37 * 58``), else 0.0 (a direct answer, a wrong call, trailing text)."""
+    want = _CALL.match(sample["expression"])
+    got = _CALL.match(reply[len("CALC "):]) if reply.startswith("CALC ") else None
+    return float(got is not None and want is not None and got.groups() == want.groups())
+
+
+async def single_turn_agent(client, sample: dict[str, Any]) -> float:
+    """The single-turn variant (protocol ``arithmetic-single-turn``): one reply of at most 16 tokens, no tool run,
+    scored by ``tool_call_score``: the policy is rewarded for calling the tool right, the first step of the task."""
+    reply = await client.chat([{"role": "user", "content": sample["question"]}], max_tokens=16)
+    return tool_call_score(reply, sample)
+
+
+def tool_call_reward(prompts, completions, expression, **kwargs) -> list[float]:
+    """``tool_call_score`` as a TRL reward function: TRL passes the completions (conversational: a list holding the
+    assistant message) and the dataset's ``expression`` column, one per completion."""
+    texts = [c if isinstance(c, str) else c[-1].get("content") or "" for c in completions]
+    return [tool_call_score(t, {"expression": e}) for t, e in zip(texts, expression, strict=True)]

@@ -1,4 +1,5 @@
-"""Real runs on this machine (TorchEngine, the 3-step smoke protocol): manifests, resume, failures, reports, TRL."""
+"""Real runs on this machine (TorchEngine, the 3-step smoke protocol): manifests, resume, failures, reports, TRL
+through rollout_func (the stock TRL stack: ``test_bench_trl_stock.py``)."""
 
 from __future__ import annotations
 
@@ -91,9 +92,9 @@ def test_a_failing_seed_is_recorded_and_reported(tmp_path):
     assert info["status"] == "failed" and "no_such_agent" in info["error"]
 
 
-def test_trl_stack_runs_the_same_protocol(tmp_path):
+def test_trl_rollout_func_stack_runs_the_same_protocol(tmp_path):
     pytest.importorskip("trl")
-    out = runner.run(load_protocol("arithmetic-smoke"), "trl", 2, tmp_path / "trl", log=lambda *_: None)
+    out = runner.run(load_protocol("arithmetic-smoke"), "trl-rollout-func", 2, tmp_path / "trl", log=lambda *_: None)
     rs = load_runset(out)
     assert rs.protocol["max_lag"] == 0 and "GRPOTrainer" in rs.manifest["stack_config"]["trainer"]
     f = rs.frames[1]

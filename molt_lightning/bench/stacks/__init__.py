@@ -3,8 +3,14 @@
 - ``molt``: ``AsyncRLModule`` as the protocol says (asynchronous, staleness bound ``max_lag``).
 - ``molt-sync``: the same code path with ``max_lag: 0`` (exact on-policy); its recorded protocol says so, so
   comparing it with ``molt`` needs ``--allow-diff max_lag``.
-- ``trl``: TRL's ``GRPOTrainer`` (optional extra ``molt-lightning[trl]``) on the same model, task stream and agent
-  program; synchronous by construction (``max_lag: 0``). See ``stacks/trl.py`` for what is matched and what is not.
+- ``trl``: TRL's ``GRPOTrainer`` (optional extra ``molt-lightning[trl]``) as a TRL user runs it: its own generation
+  (transformers ``generate``; ``--engine vllm``: its vLLM colocate mode), a dataset of conversational prompts and the
+  protocol's ``task.reward`` function; single-turn protocols only (``task.max_turns: 1``, e.g.
+  ``arithmetic-single-turn``, the single-turn variant of ``arithmetic-tiny``); synchronous (``max_lag: 0``). See
+  ``stacks/trl.py``.
+- ``trl-rollout-func``: TRL's ``GRPOTrainer`` with the protocol's own (multi-turn) agent program inside TRL's
+  ``rollout_func`` hook, sampled by molt's ``TorchEngine``: the matched multi-turn comparison, not stock TRL;
+  synchronous (``max_lag: 0``). See ``stacks/trl_rollout_func.py``.
 
 A stack is a name, the protocol fields it changes (recorded in the run's protocol), honest notes, a ``check``
 that refuses protocol values it cannot honour, and ``run_seed(protocol, seed, workdir, options) -> frame``.
@@ -44,7 +50,13 @@ STACKS = {
     "molt-sync": Stack("molt-sync", "molt_lightning.bench.stacks.molt", changes={"max_lag": 0},
                        notes="molt AsyncRLModule with max_lag 0: synchronous on-policy, same code path"),
     "trl": Stack("trl", "molt_lightning.bench.stacks.trl", changes={"max_lag": 0},
-                 notes="TRL GRPOTrainer, synchronous; the agent runs through TRL's rollout_func (see stacks/trl.py)"),
+                 notes="stock TRL GRPOTrainer, synchronous, TRL's own generation; SINGLE-TURN: one completion per "
+                       "prompt scored by the protocol's task.reward (multi-turn agents: run the protocol's "
+                       "single-turn variant, or trl-rollout-func) (see stacks/trl.py)"),
+    "trl-rollout-func": Stack(
+        "trl-rollout-func", "molt_lightning.bench.stacks.trl_rollout_func", changes={"max_lag": 0},
+        notes="TRL GRPOTrainer, synchronous; the protocol's multi-turn agent runs through TRL's rollout_func on "
+              "molt's TorchEngine (see stacks/trl_rollout_func.py)"),
 }
 
 

@@ -6,7 +6,7 @@ through the same Lightning-CSV importer users use for their own molt runs, so ``
 
 Options: ``engine`` = ``torch`` (default; ``TorchEngine``) or ``vllm`` (``VLLMEngine``, ~40 s start per seed on this
 CPU). The engine is a stack option, not a protocol field: it changes systems numbers, not the algorithm, and the
-manifest records it.
+manifest records it. ``model.precision`` (optional, ``32-true`` or ``bf16-mixed``) is Lightning's trainer precision.
 """
 
 from __future__ import annotations
@@ -25,6 +25,13 @@ SUPPORTED = {
 }
 # protocol algorithm keys that are not ``Algorithm`` fields but the module's: PPO epochs and optimizer steps per epoch
 LOOP_KEYS = ("updates_per_batch", "mini_batches")
+# what the shipped agent programs fix (turns, tokens per reply): a protocol naming one must state the same values
+AGENT_FIXED = {
+    "molt_lightning.tasks.arithmetic.calculator_agent": {"task.max_turns": 3, "sampling.max_tokens_per_turn": 16},
+    "molt_lightning.tasks.arithmetic.single_turn_agent": {"task.max_turns": 1, "sampling.max_tokens_per_turn": 16},
+    "molt_lightning.tasks.addition.agent": {"task.max_turns": 1, "sampling.max_tokens_per_turn": 24},
+}
+PRECISIONS = ("32-true", "bf16-mixed")  # model.precision: Lightning's Trainer precision (default 32-true)
 
 
 def check(protocol) -> None:
@@ -39,12 +46,11 @@ def check(protocol) -> None:
             raise unsupported("molt", f"algorithm.{key}", value, sorted(fields | set(LOOP_KEYS)))
         if not isinstance(value, int) or value < 1:
             raise unsupported("molt", f"algorithm.{key}", value, "integers >= 1")
-    agent = protocol.get("task.agent")
-    if agent == "molt_lightning.tasks.arithmetic.calculator_agent":
-        from ...tasks import arithmetic
-
-        if protocol.get("task.max_turns") != arithmetic.MAX_TURNS:
-            raise unsupported("molt", "task.max_turns", protocol.get("task.max_turns"), [arithmetic.MAX_TURNS])
+    for dotted_field, value in AGENT_FIXED.get(protocol.get("task.agent"), {}).items():
+        if protocol.get(dotted_field) != value:
+            raise unsupported("molt", dotted_field, protocol.get(dotted_field), [value])
+    if str(protocol.data["model"].get("precision", "32-true")) not in PRECISIONS:
+        raise unsupported("molt", "model.precision", protocol.data["model"]["precision"], list(PRECISIONS))
 
 
 def describe(options: dict) -> dict:
@@ -102,7 +108,7 @@ def run_seed(protocol, seed: int, workdir: Path, options: dict):
             max_steps=int(p["steps"]) * module.hparams.updates_per_batch * module.hparams.mini_batches,
             logger=logger, log_every_n_steps=1,
             enable_checkpointing=False, accelerator="cpu", devices=1, enable_progress_bar=False,
-            enable_model_summary=False,
+            enable_model_summary=False, precision=p["model"].get("precision", "32-true"),
         )
         trainer.fit(module)
     ((_, raw),) = importers.read_lightning_csv(Path(logger.log_dir) / "metrics.csv")
