@@ -5,8 +5,8 @@ export HF_HUB_OFFLINE := 1
 setup:
 	@bash scripts/setup.sh
 
-train: setup
-	.venv/bin/molt fit --config recipes/default.yaml
+train: setup  # quiet: the progress bar and a summary; the full log goes to the run folder (MOLT_QUIET=0: all of it)
+	MOLT_QUIET=$${MOLT_QUIET:-1} .venv/bin/molt fit --config recipes/default.yaml
 
 test: setup
 	.venv/bin/python -m pytest -q -ra

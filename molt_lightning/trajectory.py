@@ -126,25 +126,22 @@ def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None
             rows.append((ids, mask, lps, vers, traj.reward, traj.group_id, t_idx))
     if not rows:
         raise ConsistencyError("no trainable tokens in this batch")
-    n, width = len(rows), max(len(r[0]) for r in rows)
+    width = max(len(r[0]) for r in rows)
+
+    def padded(k: int, fill, dtype) -> torch.Tensor:  # one tensor per field from padded lists: no per-row copies
+        return torch.tensor([r[k] + [fill] * (width - len(r[k])) for r in rows], dtype=dtype)
+
     batch = Batch(
-        input_ids=torch.full((n, width), pad_id, dtype=torch.long),
-        attention_mask=torch.zeros(n, width, dtype=torch.bool),
-        loss_mask=torch.zeros(n, width, dtype=torch.bool),
-        engine_logprobs=torch.zeros(n, width, dtype=torch.float32),
-        versions=torch.full((n, width), -1, dtype=torch.long),
+        input_ids=padded(0, pad_id, torch.long),
+        attention_mask=torch.tensor([[True] * len(r[0]) + [False] * (width - len(r[0])) for r in rows]),
+        loss_mask=padded(1, False, torch.bool),
+        engine_logprobs=padded(2, 0.0, torch.float32),
+        versions=padded(3, -1, torch.long),
         rewards=torch.tensor([r[4] for r in rows], dtype=torch.float32),
         group_ids=torch.tensor([r[5] for r in rows], dtype=torch.long),
         traj_ids=torch.tensor([r[6] for r in rows], dtype=torch.long),
         trajectories=trajectories,
     )
-    for i, (ids, mask, lps, vers, *_) in enumerate(rows):
-        L = len(ids)
-        batch.input_ids[i, :L] = torch.tensor(ids)
-        batch.attention_mask[i, :L] = True
-        batch.loss_mask[i, :L] = torch.tensor(mask)
-        batch.engine_logprobs[i, :L] = torch.tensor(lps, dtype=torch.float32)
-        batch.versions[i, :L] = torch.tensor(vers)
     return batch
 
 

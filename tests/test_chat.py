@@ -86,3 +86,21 @@ def test_chat_without_template_is_a_clear_error(tokenizer):
     tok.chat_template = None
     with pytest.raises(ValueError, match="chat_template"):
         ChatTemplate(tok)
+
+
+@pytest.mark.parametrize("policy", ["arithmetic_policy", "python_tool_policy"])
+def test_fast_encode_equals_the_tokenizers_own_call(policy):
+    """``ChatTemplate.encode`` calls the Rust tokenizer directly: the ids must be the tokenizer's, special tokens and
+    odd text included."""
+    from transformers import AutoTokenizer
+
+    from molt_lightning.models import tiny
+
+    tok = AutoTokenizer.from_pretrained(getattr(tiny, policy)())
+    t = ChatTemplate(tok)
+    assert t._rust is not None
+    texts = ["What is 12*34?", "<|im_end|>\n<|im_start|>assistant\n", " leading and  double  spaces ", "ünïcödé ✓ 数",
+             '<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>', "\n\n\t", "a<|pad|>b",
+             t.render([{"role": "user", "content": "x"}], add_generation_prompt=True)]
+    for text in texts:
+        assert t.encode(text) == tok(text, add_special_tokens=False)["input_ids"], text

@@ -16,6 +16,13 @@ reproducibility is the torch engine's.
 
 vLLM is imported only in ``start``: importing this module is cheap.
 
+Client-side cost per request (``benchmarks/overhead_profile.py``): vLLM's statistics loggers are off
+(``disable_log_stats``; the step metrics count tokens themselves), prompts go in as rendered token inputs (vLLM skips
+its tokenizer pass and the thread-pool hop it makes for raw prompts), a request's output is built once when it finishes
+(``FINAL_ONLY``, not a cumulative copy after every token), request ids are a counter, not ``uuid4``, and with
+``cpu_threads`` the engine's processes start bound to those cores, so that its scheduler process, which busy-waits on
+its workers between steps, keeps off the trainer's core (measured in the README's overhead budget).
+
 vLLM starts its engine core in a new process with multiprocessing's *spawn*, which imports the main script again
 (as ``__mp_main__``): a script that runs its training at the top level, outside ``if __name__ == "__main__":``,
 would start it again inside that process, and vLLM only says "Engine core initialization failed". ``launch``
@@ -26,14 +33,33 @@ still says so is re-raised with its common causes.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
-import uuid
+from contextlib import contextmanager
 from collections.abc import Mapping
 
 import torch
 
 from .base import Generation, RolloutEngine, Sampling
 from .main_guard import require_main_guard
+
+
+@contextmanager
+def _bound_to(cores: str | None):
+    """Run the block bound to ``cores`` ("1", "0-1", "0,2"), then restore this process's CPU affinity."""
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    wanted = set()
+    for part in cores.split(","):
+        first, _, last = part.partition("-")
+        wanted.update(range(int(first), int(last or first) + 1))
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, wanted & before or before)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 class VLLMEngine(RolloutEngine):
@@ -56,6 +82,7 @@ class VLLMEngine(RolloutEngine):
         self.weight_dir = weight_dir if os.path.isdir(weight_dir) else None
         self.engine_kwargs = engine_kwargs or {}
         self.llm = None
+        self._ids = itertools.count()
         self._staged: list[str] = []  # safetensors files of the buckets staged for the next commit
 
     def launch(self, model_path: str) -> None:
@@ -74,11 +101,12 @@ class VLLMEngine(RolloutEngine):
 
         args = AsyncEngineArgs(
             model=model_path, dtype=self.dtype, max_model_len=self.max_model_len, enforce_eager=self.enforce_eager,
-            seed=self.seed, logprobs_mode="processed_logprobs",
+            seed=self.seed, logprobs_mode="processed_logprobs", disable_log_stats=True,
             worker_extension_cls="molt_lightning.engines.vllm_worker.MoltWorkerExtension", **self.engine_kwargs,
         )
         try:
-            self.llm = AsyncLLM.from_engine_args(args)
+            with _bound_to(self.cpu_threads):  # the engine's processes inherit the binding; this one gets its own back
+                self.llm = AsyncLLM.from_engine_args(args)
         except RuntimeError as e:
             if "Engine core initialization failed" not in str(e):
                 raise
@@ -99,14 +127,17 @@ class VLLMEngine(RolloutEngine):
 
     async def _generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
+            output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, not a cumulative copy per token
             max_tokens=sampling.max_tokens, temperature=sampling.temperature, logprobs=0, detokenize=False,
             stop_token_ids=list(sampling.stop_token_ids), skip_special_tokens=False,
             ignore_eos=sampling.ignore_eos,  # no per-request seed: see the module docstring
         )
-        final = None
-        async for final in self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id=uuid.uuid4().hex):
+        final, request_id = None, f"molt-{next(self._ids)}"
+        prompt = {"type": "token", "prompt_token_ids": prompt_ids}  # rendered input: no tokenizer pass, no thread hop
+        async for final in self.llm.generate(prompt, params, request_id=request_id):
             pass
         out = final.outputs[0]
         ids = list(out.token_ids)
