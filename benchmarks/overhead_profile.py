@@ -1,16 +1,19 @@
-"""Where a step's time goes: a py-spy profile of the default recipe, split into generation inside the engine, the
-gradient step, weight sync and everything else (agent and chat-template code, asyncio, vLLM's client side, collation,
-Lightning and logging).
+"""Where a step's time goes on the default recipe, two ways: the trainer's wall time, and everyone's CPU time.
 
-Runs ``molt fit --config recipes/default.yaml`` (or ``--config``) with a callback that starts ``py-spy record
---subprocesses`` on itself at step ``--start`` and stops it ``--steps`` steps later, so start-up and shutdown are left
-out and the window's wall time is known exactly. Every sample is one thread found running (py-spy leaves idle threads
-out) and is put in one category by its stack; a category's CPU seconds per step are its samples / rate / steps, shown
-against the window's wall seconds per step. Usage::
+1. Wall time, from a plain run (no profiler): every step's ``perf/step_time_s`` is split by ``RolloutMonitor`` into
+   waiting for rollouts (generation, as the trainer sees it), the gradient step, weight sync, and everything else on
+   the trainer's path (collation, Lightning's loop, logging, callbacks, checkpoints): mean seconds per step over the
+   window and shares of the wall time.
+2. CPU time, from a second run with a callback that starts ``py-spy record --subprocesses`` on itself at step
+   ``--start`` and stops it ``--steps`` steps later (start-up and shutdown left out). Every sample is one thread found
+   running and goes to one phase by its stack: generation inside the engine (vLLM's processes; their busy-wait
+   between steps apart), vLLM's client side in the trainer process, the gradient step, weight sync, and everything
+   else (agent and chat-template code, the rollout loop and asyncio, collation, Lightning and logging). That rollout
+   work runs beside the gradient step, so it costs wall time only where it takes the trainer's core. py-spy's
+   sampling slows this run down; its shares are of its own wall time.
 
     python benchmarks/overhead_profile.py [--start 20] [--steps 40] [--rate 100] [-- EXTRA molt fit FLAGS]
 
-Prints a table (and writes the raw stacks next to the run) ; py-spy's own sampling slows the run by a few percent.
 Written by hand: py-spy records, but nothing maintained classifies its stacks into these phases.
 """
 
@@ -111,12 +114,30 @@ def table(folder: Path) -> str:
     for pid, frames, n in read_stacks(folder / "stacks.txt"):
         cpu[classify(frames, engine=pid != trainer_pid)] += n / rate / steps
     step = wall / steps
-    rows = [f"window: {steps} steps, {step:.3f} s/step wall; CPU seconds per step by phase (2 cores: at most "
-            f"{2 * step:.3f})", "", "| phase | CPU s/step | % of wall |", "|---|---|---|"]
+    rows = [f"CPU time under py-spy, {steps} steps at {step:.3f} s/step (2 cores: at most {2 * step:.3f} CPU s/step)",
+            "", "| phase (all processes) | CPU s/step | % of wall |", "|---|---|---|"]
     for name in sorted(cpu, key=lambda n: (n.startswith("else"), n)):
         rows.append(f"| {name} | {cpu[name]:.4f} | {100 * cpu[name] / step:.1f}% |")
     other = sum(v for k, v in cpu.items() if k.startswith("else"))
     rows.append(f"| **everything else** | **{other:.4f}** | **{100 * other / step:.1f}%** |")
+    return "\n".join(rows)
+
+
+WALL = {"waiting for rollouts (generation)": "perf/trainer_idle_s", "gradient step": "perf/train_compute_s",
+        "weight sync": "perf/weight_sync_s", "**everything else**": "perf/overhead_s"}
+
+
+def wall_table(run: Path, start: int, steps: int) -> str:
+    import pandas as pd
+
+    [csv] = run.glob("default/version_*/metrics.csv")
+    df = pd.read_csv(csv).groupby("step").first().loc[start:start + steps - 1]
+    step = df["perf/step_time_s"].mean()
+    rows = [f"wall time, steps {start}-{start + steps - 1} of a plain run: {step:.3f} s/step (mean), "
+            f"{df['perf/step_time_s'].median():.3f} median", "", "| phase (trainer's path) | s/step | % of wall |",
+            "|---|---|---|"]
+    for name, col in WALL.items():
+        rows.append(f"| {name} | {df[col].mean():.4f} | {100 * df[col].mean() / step:.1f}% |")
     return "\n".join(rows)
 
 
@@ -133,12 +154,16 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MOLT_QUIET": "0", "PYTHONPATH": f"{ROOT / 'benchmarks'}:{ROOT}"}
     cmd = [sys.executable, "-m", "molt_lightning.cli", "fit", "--config", args.config,
-           "--trainer.max_steps", str(args.start + args.steps + 2), "--trainer.enable_progress_bar", "false",
-           "--trainer.logger.init_args.save_dir", str(out), "--trainer.callbacks+", "overhead_profile.PySpyWindow",
-           "--trainer.callbacks.out", str(out), "--trainer.callbacks.start", str(args.start),
-           "--trainer.callbacks.steps", str(args.steps), "--trainer.callbacks.rate", str(args.rate), *args.extra]
-    with open(out / "run.log", "w") as log:
-        subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+           "--trainer.max_steps", str(args.start + args.steps + 2), "--trainer.enable_progress_bar", "false"]
+    spy = ["--trainer.callbacks+", "overhead_profile.PySpyWindow", "--trainer.callbacks.out", str(out),
+           "--trainer.callbacks.start", str(args.start), "--trainer.callbacks.steps", str(args.steps),
+           "--trainer.callbacks.rate", str(args.rate)]
+    for name, more in (("plain", []), ("profiled", spy)):
+        with open(out / f"{name}.log", "w") as log:
+            subprocess.run([*cmd, "--trainer.logger.init_args.save_dir", str(out / name), *more, *args.extra],
+                           cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+    print(wall_table(out / "plain", args.start, args.steps))
+    print()
     print(table(out))
     print(f"\nraw stacks: {out / 'stacks.txt'}")
 

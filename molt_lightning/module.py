@@ -244,6 +244,7 @@ class AsyncRLModule(L.LightningModule):
                 opt.step()
                 stats.step(grad_norm)
         self.policy_version += 1
+        train_compute_s = time.perf_counter() - t0 - trainer_idle_s
 
         lag = (version - batch.versions[:, 1:][mask]).float()  # (tokens,)
         self.log_dict(
@@ -257,7 +258,7 @@ class AsyncRLModule(L.LightningModule):
         self.log("reward", rewards.mean(), prog_bar=True, on_step=True, batch_size=rewards.numel())
         self.log("lag", lag.mean(), prog_bar=True, on_step=True, batch_size=rewards.numel())
         rows = sorted(r for mb in minis for rows in mb.micro for r in rows)
-        return {"batch": batch, "rows": rows, "trainer_idle_s": trainer_idle_s}
+        return {"batch": batch, "rows": rows, "trainer_idle_s": trainer_idle_s, "train_compute_s": train_compute_s}
 
     def micro_loss(self, batch: Batch, rows: list[int], est, consts: _Constants, norm: Norm):
         """Loss of one micro-batch (``rows`` of ``batch``), normalized by its mini-batch's ``norm``."""

@@ -116,6 +116,7 @@ class RolloutSource:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
         self._stopping = False
+        self._loading = None
         self.max_failure_rate = max_failure_rate
         self.failure_window = failure_window or max(64, 2 * group_size * prompts_per_step)
         self._recent: deque[str | None] = deque(maxlen=self.failure_window)  # None: ok, else the failure kind
@@ -136,9 +137,11 @@ class RolloutSource:
         self._wake = self.call(_make_event())
         self._tasks: set[asyncio.Task] = set()
         self._producer = None
+        self._loading = None  # the engine's weight load in flight (a concurrent future), if any
 
     def begin(self) -> None:
         """Start producing rollouts (after the engine holds the trainer's weights)."""
+        self.settle_weights()
         if self._producer is None:
             self._producer = asyncio.run_coroutine_threadsafe(self._produce(), self._loop)
 
@@ -162,6 +165,7 @@ class RolloutSource:
                 self._producer.cancel()
                 self._producer = None
             self.call(_cancel(), timeout=60)
+            self.settle_weights(timeout=120)
             if self.endpoint is not None:
                 self.call(self.endpoint.stop(), timeout=30)
         finally:
@@ -170,19 +174,33 @@ class RolloutSource:
             self.engine.release()
 
     def stage_weights(self, bucket) -> None:
+        self.settle_weights()  # the previous load is done (its files read, its version serving) before the next
         self.call(self.engine.stage_weights(bucket))
 
     def commit_weights(self, version: int) -> None:
-        self.call(self.engine.commit_weights(version))
-        self._notify()
+        """Have the engine load the staged weights as ``version``, and return at once: the trainer goes on with its
+        next step while the engine pauses, loads and resumes (tokens stay tagged exactly: the engine switches versions
+        between tokens). One load is in flight at most; the next push, a batch that needs this version, ``begin`` and
+        ``stop`` wait for it, and its error, if any, is raised there."""
+        self._loading = asyncio.run_coroutine_threadsafe(self.engine.commit_weights(version), self._loop)
+        self._loading.add_done_callback(lambda _: self._notify())
+
+    def settle_weights(self, timeout: float | None = None) -> None:
+        """Wait for the weight load in flight, if any."""
+        loading, self._loading = self._loading, None
+        if loading is not None:
+            loading.result(timeout)
 
     def update_weights(self, state, version: int) -> None:
         self.stage_weights(state)
         self.commit_weights(version)
+        self.settle_weights()
 
     # ----- consumer (trainer thread) -----
     def next_batch(self, trainer_version: int) -> list[Trajectory]:
         """Block until ``prompts_per_step`` usable groups no older than ``max_lag`` are ready; return their samples."""
+        if self.engine.version < trainer_version - self.max_lag:
+            self.settle_weights()  # the version this batch needs may be loading
         if self.engine.version < trainer_version - self.max_lag:  # only the trainer pushes: waiting = forever
             raise RuntimeError(
                 f"the engine serves policy version {self.engine.version} but the trainer is at {trainer_version}: "

@@ -16,8 +16,10 @@ def test_rollout_samples_and_sync_every_k(tmp_path):
 
     class CountingSync(WeightSync):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            pl_module.source.settle_weights()  # a push returns before the engine has loaded the weights
             before = pl_module.engine.version
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            pl_module.source.settle_weights()
             pushes.append((trainer.global_step, before, pl_module.engine.version))
 
     module = AsyncRLModule(engine=TorchEngine(), group_size=2, prompts_per_step=2, max_lag=2)
@@ -65,3 +67,28 @@ def test_progress_bar_shows_step_reward_and_lag(tmp_path):
     assert trainer.progress_bar_callback is bar and bar._get_train_description(trainer.current_epoch) == "Step"
     shown = bar.get_metrics(trainer, module)
     assert {"reward", "lag"} <= set(shown) and "v_num" not in shown
+
+
+def test_step_time_split_puts_slow_callbacks_in_overhead(tmp_path):
+    """perf/step_time_s = trainer idle + gradient step + weight sync + overhead, and a slow callback lands in the
+    overhead, not in the gradient step."""
+    import time
+
+    import pandas as pd
+
+    class Slow(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step % 2:
+                time.sleep(0.3)
+
+    module = AsyncRLModule(engine=TorchEngine(), group_size=2, prompts_per_step=2, max_lag=1)
+    trainer = L.Trainer(max_steps=6, accelerator="cpu", logger=CSVLogger(tmp_path), log_every_n_steps=1,
+                        callbacks=[Slow()], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(module)
+    df = pd.read_csv(f"{trainer.logger.log_dir}/metrics.csv").groupby("step").first()
+    parts = df[["perf/trainer_idle_s", "perf/train_compute_s", "perf/weight_sync_s", "perf/overhead_s"]].sum(axis=1)
+    assert (parts - df["perf/step_time_s"]).abs().max() < 1e-6 and (df["perf/train_compute_s"] > 0).all()
+    # the sleep of step s (1-based global_step after it) ends step s's wall time: odd global steps, i.e. rows 0, 2, 4
+    slow, fast = df["perf/overhead_s"].iloc[[2, 4]], df["perf/overhead_s"].iloc[[1, 3, 5]]
+    assert (slow >= 0.3).all() and (fast < 0.3).all() and (df["perf/train_compute_s"] < 0.3).all()

@@ -182,6 +182,7 @@ def test_hook_order_weight_sync_before_rollouts_start(tmp_path):
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            pl_module.source.settle_weights()  # the push returns while the engine loads; wait to read its version
             events.append(("pushed", pl_module.engine.version))
 
     class Module(AsyncRLModule):

@@ -2,8 +2,11 @@
 
 Per step: samples failed / truncated / dropped (new this step and totals), the reward over all usable samples
 (``reward/all_samples``: with a group filter, ``reward`` covers only the groups kept), generated tokens per second,
-the seconds the trainer waited for data and the share of wall time the engine had no request in flight; the events
-agents counted (``client.count``: ``agent/tool_error/timeout``, ``agent/endpoint_error/model_not_found``, ...).
+the seconds the trainer waited for data and the share of wall time the engine had no request in flight; the step's
+wall time split on the trainer's side (``perf/trainer_idle_s`` waiting for rollouts, ``perf/train_compute_s`` the
+gradient step, ``perf/weight_sync_s``, and ``perf/overhead_s`` / ``perf/overhead_frac``: everything else, i.e.
+collation, Lightning's loop, logging and callbacks, checkpoints); the events agents counted (``client.count``:
+``agent/tool_error/timeout``, ``agent/endpoint_error/model_not_found``, ...).
 """
 
 from __future__ import annotations
@@ -41,10 +44,15 @@ class RolloutMonitor(L.Callback):
         kept_n, filtered_n = len(b.trajectories), s.get("new/dropped_filtered_samples", 0.0)
         kept_sum = sum(t.reward for t in b.trajectories)
         metrics["reward/all_samples"] = (kept_sum + s.get("filtered_reward_sum", 0.0)) / (kept_n + filtered_n)
+        overhead = max(0.0, wall - outputs["trainer_idle_s"] - outputs["train_compute_s"]
+                       - outputs.get("weight_sync_s", 0.0))
         metrics.update({
             "perf/step_time_s": wall,
             "perf/trainer_idle_s": outputs["trainer_idle_s"],
             "perf/trainer_idle_frac": outputs["trainer_idle_s"] / wall,
+            "perf/train_compute_s": outputs["train_compute_s"],
+            "perf/overhead_s": overhead,
+            "perf/overhead_frac": overhead / wall,
             "perf/engine_idle_frac": min(1.0, s["engine_idle_s"] / wall),
             "perf/gen_tokens_per_s": s["generated_tokens"] / wall,
             "rollout/buffered_groups": s["buffered_groups"],

@@ -116,8 +116,8 @@ class RunSummary(L.Callback):
         lines.append(f"  samples: {m.get('samples/samples_total', 0):.0f} trained, "
                      f"{m.get('samples/status_failed_total', 0):.0f} failed, {dropped:.0f} dropped "
                      f"(+ {m.get('samples/dropped_empty_groups_total', 0):.0f} groups without signal)")
-        if trainer.log_dir:
-            lines.append(f"  run folder: {trainer.log_dir} (metrics.csv, reward.png, config.yaml)")
+        if trainer.logger is not None:  # (not trainer.log_dir: a collective, and only rank 0 is here)
+            lines.append(f"  run folder: {trainer.logger.log_dir} (metrics.csv, reward.png, config.yaml)")
         return "\n".join(lines)
 
 

@@ -28,4 +28,5 @@ class WeightSync(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if pl_module.policy_version % self.every_n_steps == 0:
             seconds = pl_module.push_weights()
+            outputs["weight_sync_s"] = seconds  # for RolloutMonitor's split of the step's wall time
             pl_module.log("perf/weight_sync_s", seconds, on_step=True, batch_size=1)

@@ -32,6 +32,7 @@ class Probe(L.Callback):
         # the engine serves the version pushed at the end of the previous step: compare it with the gathered weights
         full = {k: v for b in full_state_buckets(pl_module.policy.lm, 2**20) for k, v in b.items()}
         if trainer.global_rank == 0 and hasattr(pl_module.engine, "model"):  # the torch engine's weights are readable
+            pl_module.source.settle_weights()  # the push returned while the engine was loading: wait for it
             engine = dict(pl_module.engine.model.named_parameters())
             diff = max(float((engine[k].detach() - v).abs().max()) for k, v in full.items())
             self._write(trainer, {"event": "sync", "version": pl_module.policy_version,
