@@ -4,6 +4,12 @@ Runs the embedded default (vLLM engine in-process, tiny policy, calculator task)
 configuration and prints one table: seconds per step (median over the steps after ``--warmup``), generated tokens per
 second, the share of wall time the trainer waited for data and the engine sat idle, and the speed-up against the
 synchronous baseline measured in the same run. Usage: ``python benchmarks/loop_overlap.py [--steps 30]``.
+
+Then asynchrony against its limit, for the recipes' core split (vLLM on core 1, the trainer on one thread): the
+synchronous run measures each phase alone (generation = the time the trainer waits for a batch it cannot overlap,
+training = the rest of its step: gradient step, weight sync and everything else), so sync = gen + train, the limit of
+overlap is max(gen, train), and the asynchronous run's s/step is placed between them: efficiency = (sync - async) /
+(sync - limit), 100% at the limit.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ CONFIGS = {  # name: (max_lag, vLLM OMP threads bind, trainer torch threads)
     "async (max_lag=1), engine 1 core": (1, None, None),
     "async (max_lag=1), engine 2 cores": (1, "0-1", None),
     "async (max_lag=1), engine core 1, trainer 1 thread": (1, "1", 1),
+    "sync (max_lag=0), engine core 1, trainer 1 thread": (0, "1", 1),
 }
+SPLIT = ("sync (max_lag=0), engine core 1, trainer 1 thread", "async (max_lag=1), engine core 1, trainer 1 thread")
 
 
 def run(name, max_lag, bind, threads, steps, warmup):
@@ -40,6 +48,7 @@ def run(name, max_lag, bind, threads, steps, warmup):
     return {
         "config": name,
         "s/step": df["perf/step_time_s"].median(),
+        "idle s": df["perf/trainer_idle_s"].median(),
         "gen tok/s": df["perf/gen_tokens_per_s"].median(),
         "trainer idle": df["perf/trainer_idle_frac"].mean(),
         "engine idle": df["perf/engine_idle_frac"].mean(),
@@ -71,7 +80,16 @@ def main():
     table = pd.DataFrame(rows).set_index("config")
     base = table["s/step"].iloc[0]
     table.insert(1, "speed-up vs first", base / table["s/step"])
-    print(table.round(3).to_string())
+    print(table.drop(columns="idle s").round(3).to_string())
+    if all(name in table.index for name in SPLIT):
+        sync, fast = table.loc[SPLIT[0]], table.loc[SPLIT[1]]
+        gen = sync["idle s"]
+        train = sync["s/step"] - gen
+        limit = max(gen, train)
+        eff = (sync["s/step"] - fast["s/step"]) / (sync["s/step"] - limit)
+        print(f"\ncore split (vLLM core 1, trainer 1 thread): generation alone {gen:.3f} s, training alone "
+              f"{train:.3f} s (from the sync run); sync = gen + train {sync['s/step']:.3f} s/step, limit max(gen, "
+              f"train) {limit:.3f}, async {fast['s/step']:.3f}: {100 * eff:.0f}% of the way from sync to the limit")
 
 
 if __name__ == "__main__":

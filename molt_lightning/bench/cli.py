@@ -1,6 +1,7 @@
 """``molt-bench``: run matched protocols over seeds, import runs made elsewhere, compare two run sets.
 
-    molt-bench run PROTOCOL --stack molt|molt-sync|trl --seeds N --out DIR [--set steps=30] [--engine torch|vllm]
+    molt-bench run PROTOCOL --stack molt|molt-sync|trl|trl-rollout-func --seeds N --out DIR [--set steps=30]
+                   [--engine torch|vllm]
     molt-bench import FILE... --protocol PROTOCOL --source-stack verl|nemo-rl|slime|areal|... --out DIR
     molt-bench check RUNSET...  # collapse, NaN, missing/repeated steps, mismatch out of range, outliers, lengths
     molt-bench compare A B [--metric M] [--margin D|P%] [--by step|samples|wall] [--allow-diff FIELD] [--report DIR]
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", required=True, type=Path, help="output folder (resumed if it holds the same run)")
     r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="change a protocol field for this run (recorded), e.g. --set steps=30")
-    r.add_argument("--engine", default="torch", choices=("torch", "vllm"), help="molt stacks: rollout engine")
+    r.add_argument("--engine", default="torch", choices=("torch", "vllm"),
+                   help="rollout engine (molt stacks; trl: its own generation, or its colocated vLLM)")
     r.add_argument("--torch-threads", type=int, default=None, help="molt stacks: trainer intra-op threads")
 
     i = sub.add_parser("import", help="import runs made elsewhere (one file or folder per seed)")
@@ -64,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--margin", default=None, help="equivalence margin: a number, or N%% of B's mean")
     c.add_argument("--goal", default=None, choices=("max", "min"), help="for metrics the protocol does not list")
     c.add_argument("--by", default="step", choices=("step", "samples", "wall"), help="x axis and horizon")
-    c.add_argument("--summary", default=None, choices=("final", "mean", "auc"), help="override the protocol's")
+    c.add_argument("--summary", default=None, choices=("final", "mean", "auc", "ttt"),
+                   help="override the protocol's; ttt: time to the metric's threshold (with --by wall: seconds)")
+    c.add_argument("--threshold", type=float, default=None, help="override the metric's threshold (time to threshold)")
     c.add_argument("--allow-diff", action="append", default=[], metavar="FIELD",
                    help="a protocol field the runs may differ in (e.g. max_lag); repeat for several")
     c.add_argument("--alpha", type=float, default=0.05)
@@ -153,6 +157,7 @@ def cmd_compare(args) -> int:
 
     a, b, allowed, results = compare_runsets(
         args.a, args.b, args.metric, by=args.by, summary=args.summary, margin=args.margin, goal=args.goal,
+        threshold=args.threshold,
         allow=args.allow_diff, alpha=args.alpha, power=args.power, exclude=args.exclude,
         accept_check=args.accept_check)
     print(text_report(a, b, allowed, results))

@@ -6,7 +6,10 @@ seed to one number (``summaries``), and hand the two arrays to ``stats.compare``
 ``check.check_runset`` looks at both sides: an error there (a collapsed run, NaN values, a mismatch metric out of
 range) means no verdict, unless the flagged seeds are left out (``exclude``) or the user accepts them
 (``accept_check``); with one seed on a side there is no verdict either, and the line says what it would take. The
-per-seed values and curves are still reported in both cases. The margin comes from
+per-seed values and curves are still reported in both cases. ``summary="ttt"`` tests the time to the metric's
+threshold instead (the first x on the ``by`` axis where a seed reaches it; lower is better; the margin, from
+``--margin``, defaults to 20% of side B's mean time), so "reaches 0.8 reward sooner in wall time" gets a verdict; a seed
+that never reaches the threshold is named, with the fix. The margin comes from
 ``--margin`` (a number, or ``N%`` of side B's mean) or else from the protocol's metric entry; a relative margin is
 turned into metric units with side B's mean, B being the reference. Metrics the protocol does not list can be
 compared when both sides logged them, given ``--goal`` and ``--margin``.
@@ -58,7 +61,7 @@ def resolve_spec(metric: str, a: RunSet, goal: str | None, margin: str | None) -
 def compare_runsets(path_a, path_b, metrics: list[str] | None = None, *, by: str = "step", summary: str | None = None,
                     margin: str | None = None, goal: str | None = None, allow: list[str] | None = None,
                     alpha: float = stats.ALPHA, power: float = stats.POWER, n_boot: int = 2000,
-                    exclude: list[str] | None = None, accept_check: bool = False):
+                    exclude: list[str] | None = None, accept_check: bool = False, threshold: float | None = None):
     """``exclude``: ``"A:3"``-style seeds to leave out of the comparison (recorded in the report)."""
     a, b = load_runset(path_a), load_runset(path_b)
     for side, rs in (("A", a), ("B", b)):
@@ -73,15 +76,24 @@ def compare_runsets(path_a, path_b, metrics: list[str] | None = None, *, by: str
     frames = [(s, "A", f) for s, f in a.frames.items()] + [(s, "B", f) for s, f in b.frames.items()]
     results = []
     for metric in metrics:
-        spec = resolve_spec(metric, a, goal, margin)
+        spec = resolve_spec(metric, a, None if summary == "ttt" else goal, None if summary == "ttt" else margin)
+        spec = spec if threshold is None else replace(spec, threshold=threshold)
         summ = summary or spec.summary
         upto = summaries.horizon([f for _, _, f in frames], metric, by)
         vals = {"A": {}, "B": {}}
         ttt = {"A": {}, "B": {}}
         for seed, side, frame in frames:
             where = f"{(a if side == 'A' else b).path} seed {seed}"
-            vals[side][seed] = summaries.summarise(frame, spec, by, upto, summ, where)
+            if summ != "ttt":
+                vals[side][seed] = summaries.summarise(frame, spec, by, upto, summ, where)
             ttt[side][seed] = summaries.time_to_threshold(frame, spec, by)
+        if summ == "ttt":  # time to threshold: the per-seed value is the first x at the threshold; lower is better
+            vals, spec = ttt, _ttt_spec(spec, margin, metric)
+            never = [f"{side} seed {s}" for side in ttt for s, v in ttt[side].items() if not math.isfinite(v)]
+            if never:
+                raise ProtocolError(f"--summary ttt: {', '.join(never)} never reached {metric} {spec.threshold} "
+                                    f"within the runs: lower the threshold (--threshold), run longer, or leave the "
+                                    f"seed out (--exclude SIDE:SEED)")
         mean_b = float(np.mean(list(vals["B"].values())))
         d = spec.margin_for(mean_b)
         res, why = None, None
@@ -95,6 +107,14 @@ def compare_runsets(path_a, path_b, metrics: list[str] | None = None, *, by: str
                                 alpha=alpha, power=power, metric=metric, n_boot=n_boot)
         results.append(MetricResult(spec, summ, by, upto, vals["A"], vals["B"], ttt["A"], ttt["B"], res, why))
     return a, b, allowed, results
+
+
+def _ttt_spec(spec: MetricSpec, margin: str | None, metric: str) -> MetricSpec:
+    if spec.threshold is None:
+        raise ProtocolError(f"--summary ttt needs a threshold for {metric}: metrics.{metric}.threshold in the "
+                            "protocol, or --threshold")
+    m, rel = parse_margin(margin) if margin is not None else (None, 0.2)
+    return replace(spec, goal="min", margin=m, margin_rel=rel)
 
 
 def parse_exclude(items: list[str], side: str) -> list[int]:

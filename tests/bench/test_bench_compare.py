@@ -65,3 +65,24 @@ def test_metrics_outside_the_protocol_need_goal_and_margin(tmp_path, smoke_proto
     assert r.result.verdict_kind == "comparable"
     with pytest.raises(ValueError, match="no column 'entropy'"):
         compare.compare_runsets(a, a, ["entropy"], goal="max", margin="1")
+
+
+def test_time_to_threshold_gets_a_verdict(tmp_path, smoke_protocol, make_runset):
+    """summary ttt: each seed's first x at the threshold is its value; lower is better; the margin defaults to 20% of
+    B's mean time; a seed that never gets there is named."""
+    finals = [0.6, 0.62, 0.64, 0.66]  # reward = final * step / 20 reaches 0.3 at step ceil(6 / final)
+    fast = make_runset(tmp_path, "fast", finals, smoke_protocol, step_time=1.0)
+    slow = make_runset(tmp_path, "slow", finals, smoke_protocol, step_time=2.0)
+    _, _, _, (r,) = compare.compare_runsets(fast, slow, ["reward"], by="wall", summary="ttt")
+    steps = [int(np.ceil(0.3 * 20 / f - 1e-9)) for f in finals]
+    assert list(r.values_a.values()) == pytest.approx([1.0 * s for s in steps])
+    assert list(r.values_b.values()) == pytest.approx([2.0 * s for s in steps])
+    assert r.spec.goal == "min" and r.result.margin == pytest.approx(0.2 * np.mean([2.0 * s for s in steps]))
+    assert r.result.verdict_kind == "A better"
+    _, _, _, (same,) = compare.compare_runsets(fast, fast, ["reward"], by="wall", summary="ttt", margin="1")
+    assert same.result.verdict_kind == "comparable"
+    never = make_runset(tmp_path, "never", [0.6, 0.2], smoke_protocol)
+    with pytest.raises(ProtocolError, match=r"A seed 1 never reached reward 0.3"):
+        compare.compare_runsets(never, fast, ["reward"], summary="ttt")
+    _, _, _, (lower,) = compare.compare_runsets(never, fast, ["reward"], summary="ttt", threshold=0.1)
+    assert lower.values_a[1] == 10  # 0.2 * step / 20 reaches 0.1 at step 10
