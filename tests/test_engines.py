@@ -173,3 +173,26 @@ def test_torch_engine_pause_keeps_requests(torch_engine, prompts):
 def test_vllm_engine_pause_keeps_requests(vllm_engine, prompts, weights):
     vllm_engine.call(vllm_engine.update_weights(weights, 0))
     _pause_resume(vllm_engine, prompts)
+
+
+def test_torch_engine_sampler_draws_from_the_distribution():
+    """The inverse-CDF sampler: frequencies match the probabilities (chi-square), a zero-probability token is never
+    drawn, and a seeded row draws the same token whatever the other rows of its batch are."""
+    from scipy.stats import chisquare
+
+    from molt_lightning.engines.torch_engine import _sample
+
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05, 0.0])
+    logits = probs.clamp(min=1e-45).log().expand(40_000, -1)  # (B, V): zero stays (numerically) impossible
+    tok, lp = _sample(logits, torch.ones(40_000), torch.Generator().manual_seed(0))
+    counts = torch.bincount(tok, minlength=6).double()
+    assert counts[1] == 0 and counts[5] == 0
+    nz = probs > 0
+    assert chisquare(counts[nz].numpy(), (probs[nz] * 40_000).double().numpy()).pvalue > 1e-3
+    assert torch.allclose(lp, probs[tok].log(), atol=1e-5)
+    seeded = lambda: torch.Generator().manual_seed(7)  # noqa: E731
+    for other in (torch.zeros(1, 6), torch.randn(5, 6)):
+        batch = torch.cat([other, torch.randn(1, 6, generator=torch.Generator().manual_seed(1))])
+        gens = [None] * len(other) + [seeded()]
+        tok, _ = _sample(batch, torch.ones(len(batch)), torch.Generator().manual_seed(len(other)), gens)
+        assert tok[-1] == _sample(batch[-1:], torch.ones(1), torch.Generator(), [seeded()])[0][0]

@@ -122,12 +122,13 @@ class TorchEngine(RolloutEngine):
             seen, cache = version, out.past_key_values
             logits = out.logits[:, -1].float()  # (B, V)
             tok, lp = _sample(logits, temps, self.gen, gens)  # (B,), (B,)
+            toks, lps = tok.tolist(), lp.tolist()
             for i in range(B):
                 if not alive[i]:
                     continue
-                t = int(tok[i])
+                t = toks[i]
                 out_ids[i].append(t)
-                out_lps[i].append(float(lp[i]))
+                out_lps[i].append(lps[i])
                 out_vers[i].append(version)
                 if t in stops[i]:
                     alive[i], reasons[i] = False, "stop"
@@ -143,15 +144,20 @@ class TorchEngine(RolloutEngine):
 def _sample(logits: torch.Tensor, temps: torch.Tensor, gen: torch.Generator,
             gens: list[torch.Generator | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample per row at its temperature (0 = greedy); return tokens and their logprobs under that distribution.
-    A row with its own generator in ``gens`` (a seeded request) draws from it, the others from ``gen``."""
+    A row with its own generator in ``gens`` (a seeded request) draws its uniform from it, the others from ``gen``;
+    the token is the inverse CDF at that uniform (one batched search, not a ``multinomial`` call per seeded row)."""
     greedy = temps <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]  # (B, V)
     logp = torch.log_softmax(scaled, dim=-1)  # (B, V)
-    probs = logp.exp()  # (B, V)
-    sampled = torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # (B,)
-    for i, g in enumerate(gens or []):
-        if g is not None:
-            sampled[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+    # in float64: a rare token's interval then has its own width, not float32's rounding step near 1 (~6e-8)
+    cdf = logp.double().exp().cumsum(-1)  # (B, V)
+    cdf = cdf / cdf[:, -1:]  # ends at exactly 1: a uniform in [0, 1) always lands on a token of nonzero probability
+    u = torch.rand(logits.shape[0], generator=gen, device=logits.device, dtype=torch.float64)  # (B,)
+    own = [i for i, g in enumerate(gens or []) if g is not None]
+    if own:
+        u[own] = torch.cat([torch.rand(1, generator=gens[i], device=logits.device, dtype=torch.float64)
+                            for i in own])
+    sampled = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1)  # (B,): first index with cdf > u
     tok = torch.where(greedy, logits.argmax(-1), sampled)  # (B,)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
