@@ -153,7 +153,8 @@ def _f(x: float, digits: int = 4) -> str:
 def describe_summary(r: MetricResult) -> str:
     s = r.spec
     what = {"final": f"mean of the last {s.last_k} logged steps", "mean": f"mean after {s.warmup} warm-up steps",
-            "auc": "area under the curve / x range"}[r.summary]
+            "auc": "area under the curve / x range",
+            "ttt": f"first {r.by} at {r.spec.name} {s.threshold}; lower is better"}[r.summary]
     return f"{r.summary} ({what}), by {r.by}, horizon {_f(r.horizon)}"
 
 

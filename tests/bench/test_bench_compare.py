@@ -79,6 +79,8 @@ def test_time_to_threshold_gets_a_verdict(tmp_path, smoke_protocol, make_runset)
     assert list(r.values_b.values()) == pytest.approx([2.0 * s for s in steps])
     assert r.spec.goal == "min" and r.result.margin == pytest.approx(0.2 * np.mean([2.0 * s for s in steps]))
     assert r.result.verdict_kind == "A better"
+    assert "ttt (first wall at reward 0.3; lower is better)" in compare.text_report(*compare.compare_runsets(
+        fast, slow, ["reward"], by="wall", summary="ttt"))
     _, _, _, (same,) = compare.compare_runsets(fast, fast, ["reward"], by="wall", summary="ttt", margin="1")
     assert same.result.verdict_kind == "comparable"
     never = make_runset(tmp_path, "never", [0.6, 0.2], smoke_protocol)
