@@ -143,7 +143,7 @@ def test_engine_refuses_a_second_model(torch_engine, tmp_path):
 
 
 def _pause_resume(engine, prompts):
-    long = Sampling(max_tokens=60, temperature=1.0, ignore_eos=True)
+    long = Sampling(max_tokens=200, temperature=1.0, ignore_eos=True)  # long enough to be in flight at the pause
 
     async def scenario():
         tasks = [asyncio.ensure_future(engine.generate(p, long)) for p in prompts]
@@ -162,7 +162,7 @@ def _pause_resume(engine, prompts):
     done_at_pause, frozen, stuck, outs = engine.call(scenario())
     assert done_at_pause < len(prompts), "everything finished before the pause: the test checks nothing"
     assert stuck == 0 and frozen == 0
-    assert all(len(o.token_ids) == 60 for o in outs)  # every paused request finished after resume
+    assert all(len(o.token_ids) == long.max_tokens for o in outs)  # every paused request finished after resume
 
 
 def test_torch_engine_pause_keeps_requests(torch_engine, prompts):
