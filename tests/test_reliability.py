@@ -155,8 +155,13 @@ def test_ctrl_c_while_waiting_for_rollouts_stops_within_seconds(tmp_path):
     waiting_for_rollouts(proc, tmp_path)
     t0 = time.time()
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=30)
-    assert time.time() - t0 < 10 and proc.returncode != 0
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out = proc.communicate()[0]
+    took = time.time() - t0
+    assert took < 10 and proc.returncode not in (0, None), (round(took, 1), proc.returncode, out[-3000:])
     assert "Detected KeyboardInterrupt, attempting graceful shutdown" in out, out[-2000:]
 
 
