@@ -199,3 +199,29 @@ def test_write_weight_files(benchmark, lm):
         os.unlink(path)
     assert back.keys() == buckets[0].keys()
     assert all(torch.equal(back[k], v) for k, v in buckets[0].items())
+
+
+# ----- logging -----
+@pytest.mark.benchmark(group="logging")
+@pytest.mark.parametrize("route", ["lightning", "patched"])
+def test_log_one_step(benchmark, route):
+    """What ``self.log`` costs Lightning's result collection for one step of ~50 metrics (about what a default step
+    logs), with Lightning's own ``_ResultMetric.to`` and with ``lightning_compat``'s short-cut."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    from molt_lightning import lightning_compat
+
+    values = {f"m/{i}": torch.tensor(float(i)) for i in range(50)}
+    results = _ResultCollection(training=True)
+
+    def log_step():
+        for name, value in values.items():
+            results.log("training_step", name, value, on_step=True, on_epoch=False, batch_size=1)
+
+    (lightning_compat.unpatch if route == "lightning" else lightning_compat.patch)()
+    try:
+        benchmark(log_step)
+    finally:
+        lightning_compat.patch()
+    assert {k: float(v) for k, v in results.metrics(on_step=True)["callback"].items()} == \
+        {k: float(v) for k, v in values.items()}
