@@ -68,11 +68,21 @@ def trained(path: Path) -> int:
 
 
 def waiting_for_rollouts(proc: subprocess.Popen, folder: Path, timeout: float = 240) -> None:
-    """Return once ``proc`` trained 2 steps and its agents have been asleep for a second (see slow_agents)."""
+    """Return once ``proc`` trained 2 steps, wrote their checkpoints, and its agents have been asleep for a second
+    (see slow_agents). Every step checkpoints with an fsync, which can take seconds while the disk writes back what
+    an earlier test wrote (the container build's gigabytes): a signal sent during it waits for it, so the trainer
+    must be past step 2's checkpoints (the step's file and last.ckpt, each written atomically) before the clock runs."""
     deadline = time.time() + timeout
-    while trained(folder / "audit.jsonl") < 2 and proc.poll() is None and time.time() < deadline:
+
+    def checkpointed() -> bool:
+        step, last = list((folder / "ckpt").glob("*step=2.ckpt")), folder / "ckpt" / "last.ckpt"
+        return bool(step) and last.exists() and last.stat().st_mtime_ns >= step[0].stat().st_mtime_ns
+
+    while not (trained(folder / "audit.jsonl") >= 2 and checkpointed()) and proc.poll() is None \
+            and time.time() < deadline:
         time.sleep(0.05)
     assert proc.poll() is None, proc.communicate()[0][-3000:]
+    assert checkpointed(), f"no checkpoint of step 2 after {timeout} s"
     time.sleep(1.0)
 
 
