@@ -105,7 +105,7 @@ def test_vllm_engine_serves_the_synced_adapter_and_retires_old_ones(vllm_lora_en
     engine = vllm_lora_engine
     check_engine_serves_each_adapter(engine, prompts, peft_lm)
     slots = engine.adapters
-    loaded = engine.call(engine.llm.list_loras())
+    loaded = set(engine.call(engine.llm.list_loras()))
     assert loaded == {slots.current.request.lora_int_id}  # nothing in flight: only the newest adapter is loaded
     assert slots.retired >= 2 and os.path.isdir(slots.current.folder)
     assert sorted(os.listdir(slots.current.folder)) == ["adapter_config.json", "adapter_model.safetensors"]
@@ -137,7 +137,7 @@ def test_vllm_request_in_flight_keeps_its_adapter(vllm_lora_engine, prompts, pef
         ref, _ = hf_logprobs(peft_lm, s1, p, o.token_ids)
         assert torch.allclose(torch.tensor(o.logprobs, dtype=torch.float64), ref, atol=1e-3)
     assert not os.path.exists(old.folder)  # retired once its requests finished
-    assert engine.call(engine.llm.list_loras()) == {engine.adapters.current.request.lora_int_id}
+    assert set(engine.call(engine.llm.list_loras())) == {engine.adapters.current.request.lora_int_id}
 
 
 def lora_fit(engine, tmp_path, monkeypatch, policy_path, **kw):
