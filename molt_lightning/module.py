@@ -112,6 +112,7 @@ class AsyncRLModule(L.LightningModule):
             if value < 1:
                 raise ValueError(f"model.{name} must be >= 1, got {value}")
         self.automatic_optimization = False
+        self.lora = lora_.LoraSpec(**lora) if isinstance(lora, dict) else lora  # a dict from saved hyperparameters
         self.algo = algo
         self.pieces = build(algo)  # the recipe's estimator, loss, shaping and group filter, resolved once
         if engine is None:
@@ -153,8 +154,8 @@ class AsyncRLModule(L.LightningModule):
         check_vocab(lm.config, self.tokenizer)
         if self.hparams.activation_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.hparams.lora is not None:
-            lm = lora_.apply(lm, self.hparams.lora)  # only the adapter requires grad
+        if self.lora is not None:
+            lm = lora_.apply(lm, self.lora)  # only the adapter requires grad
         lm.train()
         self.policy = Policy(lm, value_head=self.pieces.needs_values, chunk_tokens=self.hparams.logit_chunk_tokens)
         parallel.shard(self.policy, self.trainer.strategy)
