@@ -42,10 +42,12 @@ class TorchEngine(RolloutEngine):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
+        self._names = set(dict(self.model.named_parameters()))  # what a sync must carry
         if self.adapter is not None:
-            from peft import get_peft_model
+            from peft import get_peft_model, get_peft_model_state_dict
 
             self.model = get_peft_model(self.model, self.adapter.peft_config()).eval()
+            self._names = set(get_peft_model_state_dict(self.model))
         self.vocab_size = self.model.config.vocab_size
         self.eos_ids = _eos_ids(self.model.generation_config, self.model.config)
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
@@ -77,12 +79,8 @@ class TorchEngine(RolloutEngine):
         await asyncio.to_thread(self._swap, state, version)
 
     def _swap(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        from peft import get_peft_model_state_dict, set_peft_model_state_dict
-
-        expected = dict(self.model.named_parameters()) if self.adapter is None \
-            else get_peft_model_state_dict(self.model)
-        missing = set(expected) - set(state)
-        unknown = set(state) - set(expected) if self.adapter is not None else set()  # full: extras are ignored
+        missing = self._names - set(state)
+        unknown = set(state) - self._names if self.adapter is not None else set()  # full: extras are ignored
         if missing or unknown:
             what = "adapter tensors (peft names)" if self.adapter is not None else "parameters (HF names)"
             raise KeyError(f"update_weights expects this engine's {what}: missing {sorted(missing)[:5]}, unknown "
@@ -91,6 +89,8 @@ class TorchEngine(RolloutEngine):
             if self.adapter is None:
                 self.model.load_state_dict(state, strict=False)
             else:
+                from peft import set_peft_model_state_dict
+
                 set_peft_model_state_dict(self.model, state)
             self.version = version
 
