@@ -96,8 +96,14 @@ def sync_buckets(lm: torch.nn.Module, bucket_bytes: int) -> Iterator[dict[str, t
     if is_lora(lm):
         from peft import get_peft_model_state_dict
 
-        yield {k: v.detach() for k, v in get_peft_model_state_dict(lm).items()}
+        # a snapshot (adapters are small): the engine may still be loading it when the next optimizer step runs
+        yield {k: v.detach().clone() for k, v in get_peft_model_state_dict(lm).items()}
     else:
         from .parallel import full_state_buckets
 
         yield from full_state_buckets(lm, bucket_bytes)
+
+
+# checkpoints store the recipe's LoraSpec in their hyperparameters: let torch.load(weights_only=True) (Lightning's
+# default when resuming) read it back, as algorithms.config does for Algorithm
+torch.serialization.add_safe_globals([LoraSpec])

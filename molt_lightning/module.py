@@ -14,7 +14,8 @@ The loop, step by step (``training_step`` reads like this):
    piece a pure function from ``algorithms``) normalized by mini-batch-wide counts, and a backward; then one
    optimizer step per mini-batch;
 5. the policy version (the number of rollout batches trained, i.e. of weight pushes; not of optimizer steps) goes up
-   by one and the ``WeightSync`` callback pushes the new weights to the engine, tagged with it.
+   by one and the ``WeightSync`` callback pushes the new weights to the engine, tagged with it (with ``lora``: only
+   the adapter trains and only the adapter is pushed, ``molt_lightning.lora``).
 
 Everything else (weight sync, rollout metrics, the reward plot) is a callback.
 """

@@ -182,6 +182,36 @@ def test_lora_fit_on_the_vllm_engine(vllm_lora_engine, tmp_path, monkeypatch, po
     lora_fit(vllm_lora_engine, tmp_path, monkeypatch, policy_path)
 
 
+def test_lora_resumes_with_its_adapter(tmp_path):
+    """A checkpoint holds the adapter (and the frozen base): the resumed run starts from the saved adapter, and the
+    engine serves it (the first push after the resume carries it)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from peft import get_peft_model_state_dict
+
+    first = make(TorchEngine(seed=0), lora=SPEC)
+    fit(first, tmp_path, steps=2, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True,
+                                                             every_n_train_steps=1)])
+    def adapter_of(model):  # a copy: peft's state-dict tensors share the parameters' storage
+        return {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
+
+    saved = adapter_of(first.policy.lm)
+
+    class AtStart(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if not hasattr(self, "adapter"):
+                self.adapter = adapter_of(pl_module.policy.lm)
+                self.engine = adapter_of(pl_module.engine.model)
+
+    at_start = AtStart()
+    second = make(TorchEngine(seed=0), lora=SPEC)
+    fit(second, tmp_path, steps=3, callbacks=[at_start], ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"), name="again")
+    assert second.policy_version == 3
+    assert any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)
+    for k, v in saved.items():
+        assert torch.equal(at_start.adapter[k], v) and torch.equal(at_start.engine[k], v), k
+
+
 # ----- (e) bad input -----
 
 def test_target_modules_that_match_nothing_name_the_layers(policy_path):

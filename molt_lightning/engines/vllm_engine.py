@@ -156,7 +156,7 @@ class VLLMEngine(RolloutEngine):
         served = self.adapters.acquire() if self.adapters is not None else None  # its adapter, for its whole life
         try:
             async for final in self.llm.generate(prompt, params, request_id=request_id,
-                                                 lora_request=served and served.request):
+                                                 lora_request=served.request if served else None):
                 pass
         finally:
             if served is not None:
