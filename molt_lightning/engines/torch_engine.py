@@ -7,10 +7,10 @@ the new weights (as ``VLLMEngine`` does by preempting), so every token tagged ve
 given its whole context.
 
 A LoRA policy (``self.adapter``, set at launch): the model is wrapped with peft from the adapter's config at start
-(B = 0: the base model's outputs) and each commit copies the adapter's tensors into the adapter's parameters, found once by their peft names
-(``get_peft_model_state_dict``);
-the adapter stays unmerged, so the engine computes exactly what the trainer's ``PeftModel`` computes, and the same
-in-flight semantics hold (the batch in flight recomputes its KV under the new adapter).
+(B = 0: the base model's outputs) and each commit copies the adapter's tensors into the adapter's parameters, found
+once by their peft names (``get_peft_model_state_dict``). The adapter stays unmerged, so the engine computes exactly
+what the trainer's ``PeftModel`` computes, and the same in-flight semantics hold (the batch in flight recomputes its
+KV under the new adapter: unlike vLLM, where a request keeps its adapter; both tag every token exactly).
 
 The decode loop is written by hand because ``generate`` offers no point between steps to swap weights and tag
 versions; the model forward, KV cache and position handling are transformers'.

@@ -164,11 +164,12 @@ class VLLMEngine(RolloutEngine):
         out = final.outputs[0]
         ids = list(out.token_ids)
         logprobs = [float(pos[t].logprob) for pos, t in zip(out.logprobs, ids)]
-        versions = [-1] * len(ids)
-        if served is not None:  # one adapter for the whole request: its version
+        if served is not None:  # one adapter for the whole request: its version on every token
             versions = [served.version] * len(ids)
-        for span in [] if served is not None else out.weight_versions or []:
-            versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
+        else:  # full weights: vLLM's weight-version spans say where an in-flight update landed
+            versions = [-1] * len(ids)
+            for span in out.weight_versions or []:
+                versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
         if -1 in versions:
             raise RuntimeError("vLLM returned tokens without a weight version: was update_weight_version called?")
         reason = {"stop": "stop", "length": "length"}.get(out.finish_reason, "abort")
