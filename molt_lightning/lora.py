@@ -14,7 +14,8 @@ full-weight policy syncs every parameter (``parallel.full_state_buckets``) as be
 
 Deliberate limits: FSDP2 with LoRA is refused (``parallel.shard``; DDP and one process work). ``dropout > 0`` makes
 the trainer's recomputed logprobs noisy while the engine samples without dropout, so the importance ratio is no
-longer 1 at ``max_lag=0``: the default is 0.
+longer 1 at ``max_lag=0``: the default is 0. A KL reference (``kl_coef > 0``) is still a second full copy of the
+base model (peft's ``disable_adapter`` would spare it; not done yet).
 """
 
 from __future__ import annotations
