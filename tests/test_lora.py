@@ -140,6 +140,35 @@ def test_vllm_request_in_flight_keeps_its_adapter(vllm_lora_engine, prompts, pef
     assert set(engine.call(engine.llm.list_loras())) == {engine.adapters.current.request.lora_int_id}
 
 
+@pytest.mark.slow
+def test_vllm_three_adapters_in_use_beyond_max_loras(vllm_lora_engine, prompts, peft_lm):  # noqa: F811
+    """Requests of three adapter versions in flight at once, with max_loras = max_cpu_loras = 2: vLLM evicts one
+    from its cache while it is in use and reloads it from its folder (still there: in use); every request finishes
+    under its own adapter, and the two older adapters go once their requests are done."""
+    engine, (s0, s1, s2) = vllm_lora_engine, adapter_states(peft_lm)
+    long = Sampling(max_tokens=80, temperature=1.0, ignore_eos=True)
+
+    async def scenario():
+        waves, folders = [], []
+        for version, state in ((31, s1), (32, s2), (33, s0)):
+            await engine.update_weights(state, version)
+            folders.append(engine.adapters.current.folder)
+            waves.append([asyncio.ensure_future(engine.generate(p, long)) for p in prompts[:4]])
+            await asyncio.sleep(0.1)
+        in_flight = [sum(not t.done() for t in wave) for wave in waves]
+        return in_flight, folders, [await asyncio.gather(*wave) for wave in waves]
+
+    in_flight, folders, waves = engine.call(scenario())
+    assert in_flight[0] > 0 and in_flight[1] > 0, "the older waves were done before the next adapter: checks nothing"
+    for (version, state), outs in zip(((31, s1), (32, s2), (33, s0)), waves):
+        for p, o in list(zip(prompts, outs))[:2]:
+            assert set(o.versions) == {version}
+            ref, _ = hf_logprobs(peft_lm, state, p, o.token_ids)
+            assert torch.allclose(torch.tensor(o.logprobs, dtype=torch.float64), ref, atol=1e-3), version
+    assert not os.path.exists(folders[0]) and not os.path.exists(folders[1]) and os.path.isdir(folders[2])
+    assert set(engine.call(engine.llm.list_loras())) == {engine.adapters.current.request.lora_int_id}
+
+
 def lora_fit(engine, tmp_path, monkeypatch, policy_path, **kw):
     """A short LoRA run: (c) base weights bit-identical, only adapter parameters trained and in the optimizer;
     (d) the consistency invariant and ``perf/sync_bytes`` = the adapter's bytes."""
