@@ -96,6 +96,8 @@ def vllm_lora_engine(policy_path, adapter):
 
     engine = VLLMEngine(seed=0)
     engine.launch(policy_path, adapter)
+    with pytest.raises(RuntimeError, match="holds no adapter yet: commit one"):  # version 0 is an adapter too
+        generate_all(engine, [[1, 2, 3]], Sampling(max_tokens=2))
     yield engine
     engine.release()
 
