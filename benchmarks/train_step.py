@@ -70,8 +70,8 @@ class StepBench(AsyncRLModule):
 
         return DataLoader(_Iter(forever), batch_size=None, collate_fn=lambda x: x)
 
-    def push_weights(self) -> float:
-        return 0.0
+    def push_weights(self) -> tuple[float, int]:
+        return 0.0, 0
 
     def on_train_start(self):
         pass

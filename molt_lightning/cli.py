@@ -157,7 +157,7 @@ def main(args: list[str] | None = None) -> None:
     from .callbacks.checkpoint import AtomicCheckpointIO, DiskFull
     from .callbacks.runlog import QuietTerminal, RunSummary, wants_quiet
     from .module import AsyncRLModule
-    from .parallel import STRATEGIES, SUPPORTED
+    from .parallel import LORA_UNDER_FSDP2, STRATEGIES, SUPPORTED
 
     quiet: list[QuietTerminal] = []  # the fit's quiet terminal, once it is set up
 
@@ -165,7 +165,10 @@ def main(args: list[str] | None = None) -> None:
         def before_instantiate_classes(self) -> None:
             if self.subcommand is not None:
                 with self._answered():
-                    check_recipe(self.config[self.subcommand].model)
+                    config = self.config[self.subcommand]
+                    check_recipe(config.model)
+                    if config.model.get("lora") is not None and config.trainer.get("strategy") == "fsdp2":
+                        raise ValueError(LORA_UNDER_FSDP2)  # before any process starts (parallel.shard says it too)
 
         def instantiate_classes(self) -> None:
             with self._answered():

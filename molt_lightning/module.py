@@ -14,7 +14,8 @@ The loop, step by step (``training_step`` reads like this):
    piece a pure function from ``algorithms``) normalized by mini-batch-wide counts, and a backward; then one
    optimizer step per mini-batch;
 5. the policy version (the number of rollout batches trained, i.e. of weight pushes; not of optimizer steps) goes up
-   by one and the ``WeightSync`` callback pushes the new weights to the engine, tagged with it.
+   by one and the ``WeightSync`` callback pushes the new weights to the engine, tagged with it (with ``lora``: only
+   the adapter trains and only the adapter is pushed, ``molt_lightning.lora``).
 
 Everything else (weight sync, rollout metrics, the reward plot) is a callback.
 """
@@ -33,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from . import lightning_compat, parallel
+from . import lora as lora_
 from .algorithms import AdvantageInputs, Algorithm, LossInputs, build, objective, off_policy
 from .algorithms.objective import Norm
 from .batching import MiniBatch, StepMetrics, padding_frac, plan, rows_of
@@ -77,6 +79,7 @@ class AsyncRLModule(L.LightningModule):
         dtype: str = "float32",
         torch_threads: int | None = None,
         sync_bucket_mb: int = 256,
+        lora: lora_.LoraSpec | None = None,
     ):
         """
         Args:
@@ -101,6 +104,8 @@ class AsyncRLModule(L.LightningModule):
             dtype: the trainer's parameter dtype; ``bfloat16`` works on the CPU but runs ~4x slower there.
             torch_threads: intra-op threads for the trainer (``torch.set_num_threads``); None leaves torch's default.
             sync_bucket_mb: weight sync gathers and sends the parameters in buckets of about this size.
+            lora: train a LoRA adapter (peft) instead of every weight; only the adapter syncs to the engine
+                (``molt_lightning.lora``). None: full fine-tuning.
         """
         super().__init__()
         self.save_hyperparameters(ignore=["engine", "agent", "tasks", "environment"])
@@ -110,6 +115,7 @@ class AsyncRLModule(L.LightningModule):
             if value < 1:
                 raise ValueError(f"model.{name} must be >= 1, got {value}")
         self.automatic_optimization = False
+        self.lora = lora_.LoraSpec(**lora) if isinstance(lora, dict) else lora  # a dict from saved hyperparameters
         self.algo = algo
         self.pieces = build(algo)  # the recipe's estimator, loss, shaping and group filter, resolved once
         if engine is None:
@@ -151,6 +157,8 @@ class AsyncRLModule(L.LightningModule):
         check_vocab(lm.config, self.tokenizer)
         if self.hparams.activation_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora is not None:
+            lm = lora_.apply(lm, self.lora)  # only the adapter requires grad
         lm.train()
         self.policy = Policy(lm, value_head=self.pieces.needs_values, chunk_tokens=self.hparams.logit_chunk_tokens)
         parallel.shard(self.policy, self.trainer.strategy)
@@ -178,7 +186,7 @@ class AsyncRLModule(L.LightningModule):
         if not self._started and self.global_rank == 0:  # rank 0 owns the source and the engine (see parallel)
             self.source.max_context = self.hparams.max_context or self.policy.lm.config.max_position_embeddings
             self.source.should_stop = lambda: bool(getattr(self.trainer, "received_sigterm", False))
-            self.source.start(self.engine, self.policy_path, self.tokenizer)
+            self.source.start(self.engine, self.policy_path, self.tokenizer, lora_.adapter_of(self.policy.lm))
             check_vocab(self.policy.lm.config, self.tokenizer, self.engine)
             self._started = True
         return DataLoader(_BatchStream(self), batch_size=None, collate_fn=_identity)
@@ -195,19 +203,21 @@ class AsyncRLModule(L.LightningModule):
             self.source.stop()
             self._started = False
 
-    def push_weights(self) -> float:
-        """Send the current weights to the engine as ``policy_version``, in buckets; returns the seconds it took.
-        Under FSDP2 every rank takes part in gathering each bucket; rank 0 stages it into the engine."""
-        t0 = time.perf_counter()
+    def push_weights(self) -> tuple[float, int]:
+        """Send the current weights (a LoRA policy: its adapter only; ``lora.sync_buckets``) to the engine as
+        ``policy_version``, in buckets; returns the seconds it took and the bytes sent. Under FSDP2 every rank takes
+        part in gathering each bucket; rank 0 stages it into the engine."""
+        t0, sent = time.perf_counter(), 0
         rank0 = self.global_rank == 0
         if rank0 or parallel.is_sharded(self.trainer.strategy):
             bucket_bytes = self.hparams.sync_bucket_mb * 2**20
-            for bucket in parallel.full_state_buckets(self.policy.lm, bucket_bytes):
+            for bucket in lora_.sync_buckets(self.policy.lm, bucket_bytes):
+                sent += sum(t.numel() * t.element_size() for t in bucket.values())
                 if rank0:
                     self.source.stage_weights(bucket)
             if rank0:
                 self.source.commit_weights(self.policy_version)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, sent
 
     # ----- the loop -----
     def training_step(self, dataloader_iter: Iterator) -> dict[str, Any]:

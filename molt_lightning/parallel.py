@@ -32,6 +32,9 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Sin
 
 STRATEGIES = ("auto", "ddp", "fsdp2")  # the names --trainer.strategy takes
 SUPPORTED = "auto (one process), ddp, fsdp2"
+LORA_UNDER_FSDP2 = ("model.lora with --trainer.strategy fsdp2 is not supported yet (the adapter's sync and peft's "
+                    "frozen base are not wired through fully_shard): use --trainer.strategy ddp, or one process, or "
+                    "drop model.lora for full fine-tuning under fsdp2")
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -73,8 +76,13 @@ def shard(policy: torch.nn.Module, strategy) -> None:
         return
     from torch.distributed.fsdp import fully_shard
 
+    from .lora import is_lora
+    from .policy import decoder_of
+
+    if is_lora(policy.lm):
+        raise ValueError(LORA_UNDER_FSDP2)
     mesh = strategy.device_mesh["data_parallel"]
-    layers = getattr(policy.lm.base_model, "layers", None)
+    layers = getattr(decoder_of(policy.lm), "layers", None)
     if layers is None:
         raise ValueError(f"fsdp2: {type(policy.lm).__name__} has no base_model.layers to shard; use ddp")
     for layer in layers:

@@ -14,6 +14,9 @@ gathered for it. ``forward`` returns a plain tuple (FSDP2 hooks the backward pas
 Written by hand because no library computes masked, chunked, temperature-scaled token logprobs and entropies with a
 checkpointed head (Liger's fused linear cross-entropy is CUDA/Triton; TRL and verl materialize the logits).
 
+The decoder is resolved in one place (``decoder_of``): a peft ``PeftModel`` (``model.lora``) wraps the HF model, and its
+``base_model`` is peft's ``LoraModel``, not the decoder.
+
 Before any of it, ``policy_folder`` resolves ``model.policy`` (a folder, or a function that returns one) and
 ``check_vocab`` checks the tokenizer against the embeddings (and the engine's vocabulary): each error names the fix.
 """
@@ -54,7 +57,7 @@ class Policy(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
                 temperature: float, entropy_grad: bool = False):
         """Returns ``(logprobs, entropy, values)`` for the tokens marked by ``loss_mask`` (N, T), each (N, T-1)."""
-        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention_mask.long()).last_hidden_state
+        hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask.long()).last_hidden_state
         hidden = hidden[:, :-1]  # (N, T-1, H): position t predicts token t+1
         sel = loss_mask[:, 1:]  # (N, T-1)
         where = sel.nonzero(as_tuple=True)
@@ -73,8 +76,20 @@ class Policy(nn.Module):
             values = self.value_head(hidden.float()).squeeze(-1)  # (N, T-1)
         return logprobs, entropy, values
 
+    @property
+    def decoder(self) -> nn.Module:
+        return decoder_of(self.lm)
+
     def outputs(self, *args, **kwargs) -> PolicyOutputs:
         return PolicyOutputs(*self(*args, **kwargs))
+
+
+def decoder_of(lm: nn.Module) -> nn.Module:
+    """The LM's decoder (the module that returns ``last_hidden_state``). ``lm.base_model`` is it for a plain HF model;
+    for a peft ``PeftModel`` it is the ``LoraModel`` wrapper, so go through ``get_base_model()`` (the HF model, its
+    linear layers carrying the adapter) first."""
+    get_base = getattr(lm, "get_base_model", None)
+    return (get_base() if get_base is not None else lm).base_model
 
 
 def _head_chunk(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool):

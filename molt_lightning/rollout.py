@@ -56,7 +56,7 @@ from typing import Any
 from .chat import ChatTemplate
 from .client import AgentClient, AgentResult
 from .endpoint import Endpoint
-from .engines.base import RolloutEngine
+from .engines.base import Adapter, RolloutEngine
 from .trajectory import Status, Trajectory
 
 log = logging.getLogger("molt_lightning.rollout")
@@ -124,11 +124,11 @@ class RolloutSource:
         self.should_stop: Callable[[], bool] = lambda: False
 
     # ----- lifecycle (trainer thread) -----
-    def start(self, engine: RolloutEngine, model_path: str, tokenizer) -> None:
-        """Launch (or join) the engine; agents will run on the engine's event loop."""
+    def start(self, engine: RolloutEngine, model_path: str, tokenizer, adapter: Adapter | None = None) -> None:
+        """Launch (or join) the engine, serving the LoRA ``adapter`` if given; agents will run on its event loop."""
         self.engine = engine
         self.template = ChatTemplate(tokenizer) if getattr(tokenizer, "chat_template", None) else None
-        engine.launch(model_path)
+        engine.launch(model_path, adapter)
         self._loop = engine.loop
         self.endpoint = None
         if self.template is not None:  # the loopback OpenAI-compatible endpoint, for agents using the openai client

@@ -91,6 +91,13 @@ def test_two_ranks_train_disjoint_groups_on_policy_with_exact_sync(strategy, tmp
     assert records(probe, 0, "step")[-1]["global_step"] == 6  # optimizer steps; versions count batches
 
 
+def test_ddp_trains_a_lora_adapter_with_exact_sync(tmp_path):
+    """model.lora under DDP: disjoint groups per rank, the engine holds exactly rank 0's adapter after every sync."""
+    probe = fit(tmp_path, "ddp", steps=3, max_lag=0, lora={"r": 8, "alpha": 16})
+    check_disjoint_groups_and_exact_sync(probe, steps=3)
+    assert (metrics(tmp_path, "run")["perf/sync_bytes"].dropna() == 188_416).all()  # the tiny policy's r=8 adapter
+
+
 @pytest.fixture(scope="module")
 def one_process_sgd(tmp_path_factory):
     return sgd_weights("auto", 1, tmp_path_factory.mktemp("sgd"))

@@ -1,4 +1,7 @@
-"""``WeightSync``: push the policy's weights to the rollout engine, tagged with the policy version."""
+"""``WeightSync``: push the policy's weights to the rollout engine, tagged with the policy version.
+
+What a push carries (every weight, or a LoRA policy's adapter only) is decided by ``lora.sync_buckets``; the bytes sent
+are logged as ``perf/sync_bytes``."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ class WeightSync(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if pl_module.policy_version % self.every_n_steps == 0:
-            seconds = pl_module.push_weights()
+            seconds, sent = pl_module.push_weights()
             outputs["weight_sync_s"] = seconds  # for RolloutMonitor's split of the step's wall time
             pl_module.log("perf/weight_sync_s", seconds, on_step=True, batch_size=1)
+            pl_module.log("perf/sync_bytes", float(sent), on_step=True, batch_size=1)

@@ -11,6 +11,11 @@ per-token versions show where). The trainer owns the version numbers: the engine
 Weights arrive in buckets: ``stage_weights`` takes one (HF-named full tensors; nothing changes yet) and
 ``commit_weights`` swaps all staged tensors in at once and tags what is sampled from then on with the version, so a
 sharded trainer never needs the whole model twice in one process; ``update_weights`` is the one-bucket shorthand.
+
+A LoRA policy (``model.lora``) is launched with its ``Adapter`` (peft's adapter config): the engine then serves the
+base model plus that adapter, and a sync carries only the adapter's tensors, under peft's names (as
+``get_peft_model_state_dict`` gives them), through the same ``stage_weights``/``commit_weights``; each commit is a new
+adapter version. What a sync carries is decided in one place, ``lora.sync_buckets``.
 """
 
 from __future__ import annotations
@@ -43,6 +48,24 @@ class Sampling:
     seed: int | None = None  # this request's own random stream (None: the engine's shared one)
 
 
+@dataclass(frozen=True)
+class Adapter:
+    """The LoRA adapter an engine serves on top of its base model: peft's adapter config, as ``adapter_config.json``
+    holds it (``LoraConfig.to_dict()`` with the target modules resolved to names). Its tensors come in the syncs."""
+
+    config: dict
+
+    @property
+    def rank(self) -> int:
+        return int(self.config["r"])
+
+    def peft_config(self):
+        from peft import LoraConfig
+
+        fields = {k: v for k, v in self.config.items() if k in LoraConfig.__dataclass_fields__ and k != "peft_type"}
+        return LoraConfig(**fields)
+
+
 class RolloutEngine(ABC):
     """Subclasses implement ``start``, ``_generate``, ``_stage``, ``_commit``, ``shutdown``, ``pause``, ``resume``;
     ``start`` sets ``vocab_size`` (the size of the distribution the engine samples from)."""
@@ -57,19 +80,26 @@ class RolloutEngine(ABC):
         self.loop: asyncio.AbstractEventLoop | None = None
         self.model_path: str | None = None
         self.vocab_size: int | None = None
+        self.adapter: Adapter | None = None  # set at launch for a LoRA policy
         self._users = 0
 
     # ----- lifecycle, from the trainer thread -----
-    def launch(self, model_path: str) -> None:
-        """Start the loop thread and the engine on first use; later users share it (same model required)."""
+    def launch(self, model_path: str, adapter: Adapter | None = None) -> None:
+        """Start the loop thread and the engine on first use; later users share it (same model and adapter
+        required). With ``adapter`` the engine serves the base model plus that LoRA adapter (see the module)."""
         if self._users == 0:
             self.loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self.loop.run_forever, name="molt-engine", daemon=True)
             self._thread.start()
+            self.adapter = adapter
             self.call(self.start(model_path))
             self.model_path = model_path
         elif model_path != self.model_path:
             raise ValueError(f"this engine serves {self.model_path}; it cannot also serve {model_path}")
+        elif adapter != self.adapter:
+            serves = "a LoRA adapter" if self.adapter else "full weights"
+            raise ValueError(f"this engine serves {serves} of {model_path}; it cannot also serve "
+                             f"{'a LoRA adapter' if adapter else 'full weights'}: give each policy kind its own engine")
         self._users += 1
 
     def release(self) -> None:
@@ -90,14 +120,16 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     async def start(self, model_path: str) -> None:
-        """Load the policy from a Hugging Face folder; the engine then serves version 0 (see ``set_version``)."""
+        """Load the policy from a Hugging Face folder; the engine then serves version 0. With ``self.adapter`` set,
+        it prepares to serve that adapter; the first adapter commit is what it then serves."""
 
     @abstractmethod
     async def _generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation: ...
 
     @abstractmethod
     async def _stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
-        """Keep (or write out) one bucket of HF-named full tensors for the next commit; serving is unchanged."""
+        """Keep (or write out) one bucket for the next commit (HF-named full tensors, or with ``self.adapter`` the
+        adapter's peft-named tensors); serving is unchanged."""
 
     @abstractmethod
     async def _commit(self, version: int) -> None:

@@ -6,6 +6,12 @@ makes it faster). Weight updates land between decode steps; the batch in flight 
 the new weights (as ``VLLMEngine`` does by preempting), so every token tagged version v was sampled from policy v
 given its whole context.
 
+A LoRA policy (``self.adapter``, set at launch): the model is wrapped with peft from the adapter's config at start
+(B = 0: the base model's outputs) and each commit copies the adapter's tensors into the adapter's parameters, found
+once by their peft names (``get_peft_model_state_dict``). The adapter stays unmerged, so the engine computes exactly
+what the trainer's ``PeftModel`` computes, and the same in-flight semantics hold (the batch in flight recomputes its
+KV under the new adapter: unlike vLLM, where a request keeps its adapter; both tag every token exactly).
+
 The decode loop is written by hand because ``generate`` offers no point between steps to swap weights and tag
 versions; the model forward, KV cache and position handling are transformers'.
 """
@@ -37,6 +43,17 @@ class TorchEngine(RolloutEngine):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
+        self._names = set(dict(self.model.named_parameters()))  # what a sync must carry
+        if self.adapter is not None:
+            from peft import get_peft_model, get_peft_model_state_dict
+
+            self.model = get_peft_model(self.model, self.adapter.peft_config()).eval()
+            # peft's names -> the adapter's parameters themselves (state-dict tensors share their storage): a commit
+            # copies into them (set_peft_model_state_dict walks the whole model: 50 ms a push for SmolLM2-135M)
+            self._adapter_params = get_peft_model_state_dict(self.model)
+            owned = {p.data_ptr() for p in self.model.parameters()}
+            assert all(t.data_ptr() in owned for t in self._adapter_params.values())
+            self._names = set(self._adapter_params)
         self.vocab_size = self.model.config.vocab_size
         self.eos_ids = _eos_ids(self.model.generation_config, self.model.config)
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
@@ -68,11 +85,18 @@ class TorchEngine(RolloutEngine):
         await asyncio.to_thread(self._swap, state, version)
 
     def _swap(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        missing = self._names - set(state)
+        unknown = set(state) - self._names if self.adapter is not None else set()  # full: extras are ignored
+        if missing or unknown:
+            what = "adapter tensors (peft names)" if self.adapter is not None else "parameters (HF names)"
+            raise KeyError(f"update_weights expects this engine's {what}: missing {sorted(missing)[:5]}, unknown "
+                           f"{sorted(unknown)[:5]}. A LoRA policy's engine must be launched with its adapter")
         with self._weights:  # waits for the decode step in progress
-            missing = set(dict(self.model.named_parameters())) - set(state)
-            if missing:
-                raise KeyError(f"update_weights is missing parameters: {sorted(missing)[:5]}")
-            self.model.load_state_dict(state, strict=False)
+            if self.adapter is None:
+                self.model.load_state_dict(state, strict=False)
+            else:
+                for name, t in state.items():
+                    self._adapter_params[name].copy_(t)
             self.version = version
 
     async def _schedule(self) -> None:

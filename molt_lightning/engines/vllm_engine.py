@@ -9,6 +9,11 @@ resets the prefix cache with ``reset_running_requests=True``: requests in flight
 recomputed under the new weights. So every token tagged version v was sampled from policy v given its whole context;
 neither stale prefix-cache entries nor an in-flight request's old KV leak the previous weights into it.
 
+A LoRA policy (``self.adapter``, set at launch): the engine starts with ``enable_lora=True`` and serves the base model
+plus the newest committed adapter, one ``LoRARequest`` per version (``vllm_lora.AdapterSlots``): a commit adds an
+adapter (no pause, no cache reset, no base-weight reload), and every token of a request is tagged with the version of
+the adapter that request carries.
+
 Requests are not seeded one by one (``Sampling.seed`` is ignored here): with a seeded request, vLLM's CPU path
 fails once a prompt's prefill is split across scheduler steps ("CPU Generator does not use offset", then a dead
 engine), which depends on timing. vLLM runs therefore sample from the engine's seeded stream, as before; per-request
@@ -40,8 +45,9 @@ from collections.abc import Mapping
 
 import torch
 
-from .base import Generation, RolloutEngine, Sampling
+from .base import Adapter, Generation, RolloutEngine, Sampling
 from .main_guard import require_main_guard
+from .vllm_lora import AdapterSlots, vllm_rank
 
 
 @contextmanager
@@ -84,11 +90,13 @@ class VLLMEngine(RolloutEngine):
         self.llm = None
         self._ids = itertools.count()
         self._staged: list[str] = []  # safetensors files of the buckets staged for the next commit
+        self._staged_adapter: dict[str, torch.Tensor] = {}  # a LoRA policy's staged adapter tensors (peft names)
+        self.adapters: AdapterSlots | None = None  # the LoRA adapters served, when self.adapter is set
 
-    def launch(self, model_path: str) -> None:
+    def launch(self, model_path: str, adapter: Adapter | None = None) -> None:
         if self._users == 0:  # on the caller's thread, before vLLM's engine process is spawned
             require_main_guard()
-        super().launch(model_path)
+        super().launch(model_path, adapter)
 
     async def start(self, model_path: str) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
@@ -99,10 +107,13 @@ class VLLMEngine(RolloutEngine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        lora = {} if self.adapter is None else \
+            {"enable_lora": True, "max_lora_rank": vllm_rank(self.adapter.rank), "max_loras": 2}
         args = AsyncEngineArgs(
             model=model_path, dtype=self.dtype, max_model_len=self.max_model_len, enforce_eager=self.enforce_eager,
             seed=self.seed, logprobs_mode="processed_logprobs", disable_log_stats=True,
-            worker_extension_cls="molt_lightning.engines.vllm_worker.MoltWorkerExtension", **self.engine_kwargs,
+            worker_extension_cls="molt_lightning.engines.vllm_worker.MoltWorkerExtension",
+            **{**lora, **self.engine_kwargs},
         )
         try:
             with _bound_to(self.cpu_threads):  # the engine's processes inherit the binding; this one gets its own back
@@ -113,8 +124,13 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError(_ENGINE_FAILED.format(error=e, kv=os.environ.get("VLLM_CPU_KVCACHE_SPACE"))) from e
         self.vocab_size = self.llm.model_config.get_vocab_size()
         await self.llm.update_weight_version(str(self.version))
+        if self.adapter is not None:
+            self.adapters = AdapterSlots(self.llm, self.adapter, self.weight_dir)
 
     async def shutdown(self) -> None:
+        if self.adapters is not None:
+            self.adapters.close()
+            self.adapters = None
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
@@ -137,23 +153,39 @@ class VLLMEngine(RolloutEngine):
         )
         final, request_id = None, f"molt-{next(self._ids)}"
         prompt = {"type": "token", "prompt_token_ids": prompt_ids}  # rendered input: no tokenizer pass, no thread hop
-        async for final in self.llm.generate(prompt, params, request_id=request_id):
-            pass
+        served = self.adapters.acquire() if self.adapters is not None else None  # its adapter, for its whole life
+        try:
+            async for final in self.llm.generate(prompt, params, request_id=request_id,
+                                                 lora_request=served.request if served else None):
+                pass
+        finally:
+            if served is not None:
+                await self.adapters.release(served)
         out = final.outputs[0]
         ids = list(out.token_ids)
         logprobs = [float(pos[t].logprob) for pos, t in zip(out.logprobs, ids)]
-        versions = [-1] * len(ids)
-        for span in out.weight_versions or []:
-            versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
+        if served is not None:  # one adapter for the whole request: its version on every token
+            versions = [served.version] * len(ids)
+        else:  # full weights: vLLM's weight-version spans say where an in-flight update landed
+            versions = [-1] * len(ids)
+            for span in out.weight_versions or []:
+                versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
         if -1 in versions:
             raise RuntimeError("vLLM returned tokens without a weight version: was update_weight_version called?")
         reason = {"stop": "stop", "length": "length"}.get(out.finish_reason, "abort")
         return Generation(ids, logprobs, versions, reason)
 
     async def _stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
+        if self.adapters is not None:  # adapter tensors are small: written as one peft folder at commit
+            self._staged_adapter.update(bucket)
+            return
         self._staged.append(await asyncio.to_thread(self._write, bucket))  # the bucket's memory can go now
 
     async def _commit(self, version: int) -> None:
+        if self.adapters is not None:
+            tensors, self._staged_adapter = self._staged_adapter, {}
+            await self.adapters.commit(tensors, version)
+            return
         paths, self._staged = self._staged, []
         try:
             await self.pause()

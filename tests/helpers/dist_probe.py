@@ -1,6 +1,6 @@
 """A callback for the 2-process tests (imported by the CLI's ranks through PYTHONPATH): per rank and step it writes
 which samples the rank trained on, how much of each parameter it holds, and, on rank 0, whether the engine's weights
-equal the gathered policy weights of the version it serves."""
+equal the gathered policy weights (a LoRA policy: its adapter) of the version it serves."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 
 import lightning as L
 
-from molt_lightning.parallel import full_state_buckets
+from molt_lightning.lora import sync_buckets
 
 
 class Probe(L.Callback):
@@ -30,10 +30,14 @@ class Probe(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         # the engine serves the version pushed at the end of the previous step: compare it with the gathered weights
-        full = {k: v for b in full_state_buckets(pl_module.policy.lm, 2**20) for k, v in b.items()}
+        full = {k: v for b in sync_buckets(pl_module.policy.lm, 2**20) for k, v in b.items()}  # what a sync sends
         if trainer.global_rank == 0 and hasattr(pl_module.engine, "model"):  # the torch engine's weights are readable
             pl_module.source.settle_weights()  # the push returned while the engine was loading: wait for it
             engine = dict(pl_module.engine.model.named_parameters())
+            if pl_module.engine.adapter is not None:  # a LoRA policy: the engine's adapter, by peft's names
+                from peft import get_peft_model_state_dict
+
+                engine = get_peft_model_state_dict(pl_module.engine.model)
             diff = max(float((engine[k].detach() - v).abs().max()) for k, v in full.items())
             self._write(trainer, {"event": "sync", "version": pl_module.policy_version,
                                   "engine_version": pl_module.engine.version, "max_abs_diff": diff,
