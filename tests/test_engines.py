@@ -137,6 +137,32 @@ def test_vllm_engine_in_flight_update(vllm_engine, prompts, weights, hf_model):
     _in_flight_update(vllm_engine, prompts, weights, hf_model)
 
 
+def _stage_copies(engine, prompts, weights, hf_model):
+    """A staged bucket is the engine's from then on: the trainer's next optimizer step may change its tensors in place
+    while the engine still loads them (``commit_weights`` returns at once), and the engine must serve what was staged."""
+    staged = perturbed(weights, 0.05, seed=3)
+    live = {k: v.clone() for k, v in staged.items()}  # the trainer's parameters
+    engine.call(engine.stage_weights(live))
+    for v in live.values():
+        v.add_(1.0)  # the next optimizer step, before the commit
+    engine.call(engine.commit_weights(7))
+    greedy = Sampling(max_tokens=8, temperature=0.0)
+    for prompt, out in zip(prompts[:4], generate_all(engine, prompts[:4], greedy)):
+        want = teacher_forced(hf_model, staged, prompt, out.token_ids, 1.0)
+        assert out.versions == [7] * len(out.token_ids)
+        assert torch.allclose(torch.tensor(out.logprobs, dtype=torch.float64), want, atol=1e-4)
+
+
+def test_torch_engine_stage_copies(torch_engine, prompts, weights, hf_model):
+    _stage_copies(torch_engine, prompts, weights, hf_model)
+
+
+@pytest.mark.slow
+def test_vllm_engine_stage_copies(vllm_engine, prompts, weights, hf_model):
+    _stage_copies(vllm_engine, prompts, weights, hf_model)
+    vllm_engine.call(vllm_engine.update_weights(weights, 0))  # the session's engine goes back to the policy
+
+
 def test_engine_refuses_a_second_model(torch_engine, tmp_path):
     with pytest.raises(ValueError, match="cannot also serve"):
         torch_engine.launch(str(tmp_path))

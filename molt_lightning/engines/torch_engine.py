@@ -78,7 +78,9 @@ class TorchEngine(RolloutEngine):
         return await done
 
     async def _stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
-        self._staged.update(bucket)  # references: the copy happens at commit, under the weights lock
+        # copies: commit_weights returns while the engine loads, and the trainer's next optimizer step may change the
+        # tensors it staged in place before the load runs (tests/test_engines.py::test_torch_engine_stage_copies)
+        self._staged.update({k: v.detach().clone() for k, v in bucket.items()})
 
     async def _commit(self, version: int) -> None:
         state, self._staged = self._staged, {}
