@@ -122,8 +122,8 @@ class AsyncRLModule(L.LightningModule):
         self.engine = engine
         if routing == "replay" and not engine.captures_routing:
             raise ValueError(f"model.routing=replay needs an engine that records the experts it routed each token "
-                             f"to; {type(engine).__name__} does not (yet): use molt_lightning.engines.TorchEngine, "
-                             f"or model.routing: free")
+                             f"to; {type(engine).__name__} does not: use molt_lightning.engines.TorchEngine or "
+                             f"VLLMEngine(capture_routing=True), or model.routing: free")
         if environment is not None:
             if agent is not arithmetic.calculator_agent:
                 raise ValueError("model.agent and model.environment are both set: give one of them (drop model.agent: "

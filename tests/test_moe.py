@@ -198,7 +198,7 @@ def test_replay_on_a_dense_policy_or_an_engine_without_capture_is_a_clear_error(
                                          num_attention_heads=2, num_key_value_heads=2))
     with pytest.raises(ValueError, match="dense.*model.routing: free"):
         Policy(dense, routing="replay")
-    with pytest.raises(ValueError, match="VLLMEngine does not.*TorchEngine"):
+    with pytest.raises(ValueError, match="VLLMEngine does not.*TorchEngine or VLLMEngine.capture_routing=True"):
         AsyncRLModule(engine=VLLMEngine(), routing="replay")
 
 
@@ -234,3 +234,33 @@ def test_moe_recipe_parses_and_trains(tmp_path):
     assert "routing: replay" in config and "TorchEngine" in config and "moe_policy" in config
     df = pd.read_csv(run_dir / "metrics.csv")
     assert sorted(df["step"].dropna().unique()) == [0, 1] and df["moe/agree_l1"].notna().any()
+
+
+@pytest.mark.slow
+def test_vllm_engine_captures_the_routing_hf_computes_and_reloads_experts(moe_path, moe_lm):
+    """vLLM (CPU, eager) through the worker extension: concurrent requests' captured routing equals HF's routers on
+    the full sequences; after a weight update (expert weights changed) the engine's logprobs follow the new weights
+    (the CPU MoE kernel's packing is re-run after a reload)."""
+    from molt_lightning.engines import VLLMEngine
+
+    engine = VLLMEngine(seed=0, capture_routing=True)
+    engine.launch(moe_path)
+    try:
+        outs = generate_all(engine, PROMPTS * 2)
+        for prompt, out in zip(PROMPTS * 2, outs):
+            hf = hf_routing(moe_lm, prompt + out.token_ids)[:-1]  # (T-1, layers, k)
+            assert torch.equal(out.routing.sort(-1).values, hf.sort(-1).values)
+        new = {k: v * 1.5 if ".experts." in k else v for k, v in moe_lm.named_parameters()}
+        engine.call(engine.update_weights(new, version=1))
+        [out] = generate_all(engine, PROMPTS[:1])
+    finally:
+        engine.release()
+    lm = type(moe_lm)(moe_lm.config).eval()
+    lm.load_state_dict({k: v.detach() for k, v in new.items()}, strict=False)
+    lm.tie_weights()
+    ids = torch.tensor([PROMPTS[0] + out.token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(lm(input_ids=ids).logits[0, len(PROMPTS[0]) - 1:-1].float(), -1)  # (n, V)
+    expected = logp.gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4)
+    assert torch.equal(out.routing.sort(-1).values, hf_routing(lm, ids[0].tolist())[:-1].sort(-1).values)

@@ -73,10 +73,16 @@ class VLLMEngine(RolloutEngine):
         cpu_threads: str | None = None,
         weight_dir: str = "/dev/shm",
         engine_kwargs: dict | None = None,
+        capture_routing: bool = False,
     ):
         """``cpu_threads`` binds the CPU engine's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"`` or
-        ``"0-1"``); ``engine_kwargs`` go to ``AsyncEngineArgs`` as they are (e.g. ``gpu_memory_utilization``)."""
+        ``"0-1"``); ``engine_kwargs`` go to ``AsyncEngineArgs`` as they are (e.g. ``gpu_memory_utilization``);
+        ``capture_routing`` records a mixture-of-experts policy's routing (``Generation.routing``, for routing
+        replay) through the worker extension: eager mode only, and prefix caching is turned off."""
         super().__init__()
+        if capture_routing and not enforce_eager:
+            raise ValueError("VLLMEngine(capture_routing=True) hooks the routers in eager mode: set enforce_eager=True")
+        self.captures_routing = capture_routing
         self.dtype, self.max_model_len, self.enforce_eager, self.seed = dtype, max_model_len, enforce_eager, seed
         self.kv_cache_gib, self.cpu_threads = kv_cache_gib, cpu_threads
         self.weight_dir = weight_dir if os.path.isdir(weight_dir) else None
@@ -102,7 +108,8 @@ class VLLMEngine(RolloutEngine):
         args = AsyncEngineArgs(
             model=model_path, dtype=self.dtype, max_model_len=self.max_model_len, enforce_eager=self.enforce_eager,
             seed=self.seed, logprobs_mode="processed_logprobs", disable_log_stats=True,
-            worker_extension_cls="molt_lightning.engines.vllm_worker.MoltWorkerExtension", **self.engine_kwargs,
+            worker_extension_cls="molt_lightning.engines.vllm_worker.MoltWorkerExtension",
+            **({"enable_prefix_caching": False} if self.captures_routing else {}), **self.engine_kwargs,
         )
         try:
             with _bound_to(self.cpu_threads):  # the engine's processes inherit the binding; this one gets its own back
@@ -113,6 +120,8 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError(_ENGINE_FAILED.format(error=e, kv=os.environ.get("VLLM_CPU_KVCACHE_SPACE"))) from e
         self.vocab_size = self.llm.model_config.get_vocab_size()
         await self.llm.update_weight_version(str(self.version))
+        if self.captures_routing and not (await self.llm.collective_rpc("molt_capture_routing"))[0]:
+            raise ValueError(f"VLLMEngine(capture_routing=True): {model_path} has no mixture-of-experts layers")
 
     async def shutdown(self) -> None:
         if self.llm is not None:
@@ -148,7 +157,20 @@ class VLLMEngine(RolloutEngine):
         if -1 in versions:
             raise RuntimeError("vLLM returned tokens without a weight version: was update_weight_version called?")
         reason = {"stop": "stop", "length": "length"}.get(out.finish_reason, "abort")
-        return Generation(ids, logprobs, versions, reason)
+        routing = None
+        if self.captures_routing:  # the prompt's positions and the tokens' but the last (never forwarded)
+            routing = await self._routing(request_id, len(prompt_ids) + len(ids) - 1)
+        return Generation(ids, logprobs, versions, reason, routing)
+
+    async def _routing(self, request_id: str, n: int) -> torch.Tensor:
+        from .. import moe
+
+        rows = (await self.llm.collective_rpc("molt_take_routing", args=([request_id], [n])))[0][0]
+        routing = torch.tensor(rows, dtype=moe.ROUTING_DTYPE)  # (n, layers, k)
+        if len(rows) != n or (routing[:, 0, 0] == moe.NO_RECORD).any():
+            raise RuntimeError(f"vLLM's routing capture missed positions of request {request_id} (prefix caching "
+                               "on? see engines/vllm_worker.py)")
+        return routing
 
     async def _stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
         self._staged.append(await asyncio.to_thread(self._write, bucket))  # the bucket's memory can go now
