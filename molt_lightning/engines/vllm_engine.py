@@ -90,6 +90,8 @@ class VLLMEngine(RolloutEngine):
         self.llm = None
         self._ids = itertools.count()
         self._staged: list[str] = []  # safetensors files of the buckets staged for the next commit
+        self._wanted: list[tuple[str, int, asyncio.Future]] = []  # finished requests whose routing is to be taken
+        self._taker: asyncio.Task | None = None
 
     def launch(self, model_path: str) -> None:
         if self._users == 0:  # on the caller's thread, before vLLM's engine process is spawned
@@ -163,14 +165,33 @@ class VLLMEngine(RolloutEngine):
         return Generation(ids, logprobs, versions, reason, routing)
 
     async def _routing(self, request_id: str, n: int) -> torch.Tensor:
+        """The request's first ``n`` positions' routing, (n, layers, k); requests finishing together share one call
+        to the worker (one call per request cost ~1 s/step on the tiny MoE)."""
+        done = asyncio.get_running_loop().create_future()
+        self._wanted.append((request_id, n, done))
+        if self._taker is None or self._taker.done():
+            self._taker = asyncio.create_task(self._take_routing())
+        return await done
+
+    async def _take_routing(self) -> None:
         from .. import moe
 
-        rows = (await self.llm.collective_rpc("molt_take_routing", args=([request_id], [n])))[0][0]
-        routing = torch.tensor(rows, dtype=moe.ROUTING_DTYPE)  # (n, layers, k)
-        if len(rows) != n or (routing[:, 0, 0] == moe.NO_RECORD).any():
-            raise RuntimeError(f"vLLM's routing capture missed positions of request {request_id} (prefix caching "
-                               "on? see engines/vllm_worker.py)")
-        return routing
+        while self._wanted:
+            wanted, self._wanted = self._wanted, []
+            try:
+                tables = (await self.llm.collective_rpc("molt_take_routing", args=(
+                    [r for r, _, _ in wanted], [n for _, n, _ in wanted])))[0]
+            except Exception as e:  # noqa: BLE001 (every waiting request gets it)
+                for _, _, done in wanted:
+                    done.set_exception(e)
+                continue
+            for (request_id, n, done), rows in zip(wanted, tables):
+                routing = torch.tensor(rows, dtype=moe.ROUTING_DTYPE)  # (n, layers, k)
+                if len(rows) != n or (routing[:, 0, 0] == moe.NO_RECORD).any():
+                    done.set_exception(RuntimeError(f"vLLM's routing capture missed positions of request "
+                                                    f"{request_id} (prefix caching on? see engines/vllm_worker.py)"))
+                else:
+                    done.set_result(routing)
 
     async def _stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
         self._staged.append(await asyncio.to_thread(self._write, bucket))  # the bucket's memory can go now
