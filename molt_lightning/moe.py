@@ -20,10 +20,16 @@ Pieces, one each:
 - ``router_metrics``: agreement of the trainer's free choice with the engine's per layer (share of recorded positions
   with the same top-k set) and the expert load's worst violation (max over experts of load / mean load - 1).
 
+Who records: the torch engine (``RoutingCapture``'s hooks) and ``VLLMEngine(capture_routing=True)`` (capture
+functions on vLLM's routers, mapped back to requests in ``engines/vllm_worker.py``; vLLM's own
+``enable_return_routed_experts`` needs Model Runner V2, i.e. Triton, which the CPU build lacks).
+
 Deliberate deviations: the record is the engine's *first* computation of each position (a multi-turn prompt's
 earlier tokens keep the routing they were sampled with, not the next turn's prefill's); a weight update in the
-middle of a request keeps the routing computed before it. Only the torch engine captures (vLLM's own
-``enable_return_routed_experts`` needs a GPU; see ``engines/vllm_engine.py``).
+middle of a request keeps the routing computed before it (the tokens after it were sampled through a recomputed
+context whose routing may differ; the trainer's weights differ from both anyway). The replay hook wraps the forward
+only, so it refuses activation checkpointing (the backward's recompute would route freely). The load-balancing loss
+reads the live logits' own top-k, not the replayed experts.
 """
 
 from __future__ import annotations

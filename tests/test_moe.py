@@ -264,3 +264,11 @@ def test_vllm_engine_captures_the_routing_hf_computes_and_reloads_experts(moe_pa
     expected = logp.gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
     assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4)
     assert torch.equal(out.routing.sort(-1).values, hf_routing(lm, ids[0].tolist())[:-1].sort(-1).values)
+
+
+def test_moe_vllm_recipe_parses():
+    from test_cli import run
+
+    out = run("-m", "molt_lightning.cli", "fit", "--config", "recipes/moe_vllm.yaml", "--print_config")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "capture_routing: true" in out.stdout and "routing: replay" in out.stdout
