@@ -198,6 +198,13 @@ def test_replay_on_a_dense_policy_or_an_engine_without_capture_is_a_clear_error(
                                          num_attention_heads=2, num_key_value_heads=2))
     with pytest.raises(ValueError, match="dense.*model.routing: free"):
         Policy(dense, routing="replay")
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    sparse = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=16, moe_intermediate_size=8, num_experts=4,
+                                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
+    sparse.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(NotImplementedError, match="activation_checkpointing: false"):
+        Policy(sparse, routing="replay")
     with pytest.raises(ValueError, match="VLLMEngine does not.*TorchEngine or VLLMEngine.capture_routing=True"):
         AsyncRLModule(engine=VLLMEngine(), routing="replay")
 
