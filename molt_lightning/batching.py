@@ -95,7 +95,7 @@ def rows_of(batch: Batch, rows: list[int]) -> Batch:
     """The sub-batch of ``rows``, cut to its longest row (less padding); trajectories stay the batch's."""
     idx = torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)
     width = int(batch.attention_mask[idx].sum(-1).max())
-    cut = {k: v[idx][:, :width] if v.dim() == 2 else v[idx]
+    cut = {k: v[idx][:, :width] if v.dim() >= 2 else v[idx]  # per-token fields: (N, T, ...)
            for k, v in vars(batch).items() if isinstance(v, torch.Tensor)}
     return Batch(**{**vars(batch), **cut})
 

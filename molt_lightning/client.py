@@ -19,7 +19,7 @@ from typing import Any
 
 from .chat import ChatTemplate, Message
 from .engines.base import Generation, RolloutEngine, Sampling
-from .trajectory import Kind, Span, Status, Trajectory
+from .trajectory import Kind, Span, Status, Trajectory, place_routing
 
 
 @dataclass
@@ -106,6 +106,7 @@ class AgentClient:
                                                           seed=seed))
         if out.token_ids:
             self.trajectory.segments[-1].append(Span.policy(out.token_ids, out.logprobs, out.versions))
+        place_routing(self.trajectory.segments[-1], out.routing)  # MoE: each position keeps its first record
         if out.finish_reason == "length" and self.trajectory.status == Status.OK:
             self.trajectory.status = Status.TRUNCATED
             self.trajectory.reason = f"a turn hit max_tokens={max_tokens}"

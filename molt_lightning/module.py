@@ -26,7 +26,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import numpy as np
@@ -80,6 +80,8 @@ class AsyncRLModule(L.LightningModule):
         torch_threads: int | None = None,
         sync_bucket_mb: int = 256,
         lora: lora_.LoraSpec | None = None,
+        routing: Literal["free", "replay"] = "free",
+        router_aux_coef: float = 0.0,
     ):
         """
         Args:
@@ -106,6 +108,9 @@ class AsyncRLModule(L.LightningModule):
             sync_bucket_mb: weight sync gathers and sends the parameters in buckets of about this size.
             lora: train a LoRA adapter (peft) instead of every weight; only the adapter syncs to the engine
                 (``molt_lightning.lora``). None: full fine-tuning.
+            routing: mixture-of-experts policies: ``replay`` trains through the experts the engine chose (R3,
+                ``moe``), ``free`` lets the trainer's router choose; a dense policy takes ``free`` only.
+            router_aux_coef: weight of the router load-balancing loss (transformers' ``load_balancing_loss_func``).
         """
         super().__init__()
         self.save_hyperparameters(ignore=["engine", "agent", "tasks", "environment"])
@@ -123,6 +128,10 @@ class AsyncRLModule(L.LightningModule):
 
             engine = TorchEngine()
         self.engine = engine
+        if routing == "replay" and not engine.captures_routing:
+            raise ValueError(f"model.routing=replay needs an engine that records the experts it routed each token "
+                             f"to; {type(engine).__name__} does not: use molt_lightning.engines.TorchEngine or "
+                             f"VLLMEngine(capture_routing=True), or model.routing: free")
         if environment is not None:
             if agent is not arithmetic.calculator_agent:
                 raise ValueError("model.agent and model.environment are both set: give one of them (drop model.agent: "
@@ -160,7 +169,8 @@ class AsyncRLModule(L.LightningModule):
         if self.lora is not None:
             lm = lora_.apply(lm, self.lora)  # only the adapter requires grad
         lm.train()
-        self.policy = Policy(lm, value_head=self.pieces.needs_values, chunk_tokens=self.hparams.logit_chunk_tokens)
+        self.policy = Policy(lm, value_head=self.pieces.needs_values, chunk_tokens=self.hparams.logit_chunk_tokens,
+                             routing=self.hparams.routing, router_aux_coef=self.hparams.router_aux_coef)
         parallel.shard(self.policy, self.trainer.strategy)
         if self.pieces.needs_reference:
             ref = AutoModelForCausalLM.from_pretrained(self.policy_path, dtype=dtype).eval().requires_grad_(False)
@@ -277,7 +287,7 @@ class AsyncRLModule(L.LightningModule):
         sub, idx = rows_of(batch, rows), torch.tensor(rows, device=self.device)
         cut = sub.input_ids.shape[1] - 1  # the sub-batch's width, less one: (n, cut) tensors below
         out = self.policy.outputs(sub.input_ids, sub.attention_mask, sub.loss_mask, self.source.temperature,
-                                  entropy_grad=self.algo.entropy_coef > 0)
+                                  entropy_grad=self.algo.entropy_coef > 0, routing=sub.routing)
         mask = sub.loss_mask[:, 1:]  # (n, cut)
         prox = consts.slice("old", idx, cut)
         corr = off_policy(out.logprobs if prox is None else prox, sub.engine_logprobs[:, 1:], mask, self.algo)
@@ -287,7 +297,8 @@ class AsyncRLModule(L.LightningModule):
             values=out.values, returns=None if est.returns is None else est.returns[idx, :cut],
         )
         loss, metrics = objective(inputs, self.pieces.loss, self.algo, norm)
-        return loss, {**metrics, **corr.metrics}, float(mask.sum())
+        loss = loss + out.aux_loss * float(mask.sum()) / norm.tokens  # a per-position mean, weighted like the tokens
+        return loss, {**metrics, **corr.metrics, **out.router_metrics}, float(mask.sum())
 
     @torch.no_grad()
     def constants(self, batch: Batch, minis: list[MiniBatch]) -> _Constants:
@@ -309,7 +320,7 @@ class AsyncRLModule(L.LightningModule):
             for rows in mb.micro:
                 sub = rows_of(batch, rows or _any_row(mb))  # empty: run anyway, the ranks' collectives line up
                 args = (sub.input_ids, sub.attention_mask, sub.loss_mask, self.source.temperature)
-                out = self.policy.outputs(*args)
+                out = self.policy.outputs(*args, routing=sub.routing)
                 ref = self.reference.outputs(*args).logprobs if self.reference is not None else None
                 if rows:
                     idx, cut = torch.tensor(rows, device=self.device), sub.input_ids.shape[1] - 1

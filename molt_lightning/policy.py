@@ -16,6 +16,10 @@ checkpointed head (Liger's fused linear cross-entropy is CUDA/Triton; TRL and ve
 
 The decoder is resolved in one place (``decoder_of``): a peft ``PeftModel`` (``model.lora``) wraps the HF model, and its
 ``base_model`` is peft's ``LoraModel``, not the decoder.
+A mixture-of-experts policy runs its forward inside ``moe.routed``, the one routing hook: with ``routing="replay"``
+the batch's engine record (``Batch.routing``) decides the experts (R3, see ``moe``), with ``"free"`` the trainer's
+router does; both report router metrics and, with ``router_aux_coef``, add transformers' load-balancing loss. For a
+dense policy the hook does nothing (and ``"replay"`` is refused when the policy is built).
 
 Before any of it, ``policy_folder`` resolves ``model.policy`` (a folder, or a function that returns one) and
 ``check_vocab`` checks the tokenizer against the embeddings (and the engine's vocabulary): each error names the fix.
@@ -31,19 +35,37 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import moe
+
+ROUTING_MODES = ("free", "replay")
+
 
 @dataclass
 class PolicyOutputs:
     logprobs: torch.Tensor  # (N, T-1) next-token logprobs, with gradient; 0 off the loss mask
     entropy: torch.Tensor  # (N, T-1) entropies, with gradient only when asked; 0 off the loss mask
     values: torch.Tensor | None  # (N, T-1) value head predictions, or None without a critic
+    aux_loss: torch.Tensor  # () router load-balancing loss times router_aux_coef, with gradient; 0 when off or dense
+    router_metrics: dict[str, torch.Tensor]  # moe.router_metrics; empty for a dense policy
 
 
 class Policy(nn.Module):
-    def __init__(self, lm: nn.Module, value_head: bool = False, chunk_tokens: int = 512):
+    def __init__(self, lm: nn.Module, value_head: bool = False, chunk_tokens: int = 512, routing: str = "free",
+                 router_aux_coef: float = 0.0):
         super().__init__()
         if chunk_tokens < 1:
             raise ValueError(f"logit_chunk_tokens must be >= 1, got {chunk_tokens}")
+        if routing not in ROUTING_MODES:
+            raise ValueError(f"model.routing must be one of {ROUTING_MODES}, got {routing!r}")
+        if routing == "replay" and not moe.routers(lm):
+            raise ValueError(f"model.routing=replay replays the experts a mixture-of-experts policy's engine chose, but "
+                             f"{type(lm).__name__} is dense (no router modules): use model.routing: free, or an MoE "
+                             f"policy (e.g. molt_lightning.models.tiny.moe_policy)")
+        if routing == "replay" and getattr(lm, "is_gradient_checkpointing", False):
+            raise NotImplementedError("model.routing=replay with activation_checkpointing: the backward pass's recompute "
+                                      "would route freely (the replay hook wraps the forward only); set "
+                                      "model.activation_checkpointing: false")
+        self.replay, self.router_aux_coef = routing == "replay", router_aux_coef
         for attr in ("final_logit_softcapping", "logit_scale"):
             if getattr(lm.config, attr, None):
                 raise NotImplementedError(f"the policy's config sets {attr}: the chunked head does not apply it yet")
@@ -55,9 +77,18 @@ class Policy(nn.Module):
             nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                temperature: float, entropy_grad: bool = False):
-        """Returns ``(logprobs, entropy, values)`` for the tokens marked by ``loss_mask`` (N, T), each (N, T-1)."""
-        hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask.long()).last_hidden_state
+                temperature: float, entropy_grad: bool = False, routing: torch.Tensor | None = None):
+        """Returns ``(logprobs, entropy, values, aux_loss, router_metrics)`` for the tokens marked by ``loss_mask``
+        (N, T), each per-token output (N, T-1); ``routing`` (N, T, layers, k) is the engine's expert record."""
+        with moe.routed(self.lm, routing, self.replay) as rec:
+            hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask.long()).last_hidden_state
+        config = self.lm.config
+        metrics = moe.router_metrics(rec, routing, attention_mask, getattr(config, "num_experts", 0))
+        aux = torch.zeros((), device=hidden.device)
+        if self.router_aux_coef:
+            aux = self.router_aux_coef * moe.aux_loss(rec, attention_mask, config.num_experts,
+                                                      config.num_experts_per_tok)
+            metrics["moe/aux_loss"] = aux.detach()
         hidden = hidden[:, :-1]  # (N, T-1, H): position t predicts token t+1
         sel = loss_mask[:, 1:]  # (N, T-1)
         where = sel.nonzero(as_tuple=True)
@@ -74,7 +105,7 @@ class Policy(nn.Module):
         values = None
         if self.value_head is not None:
             values = self.value_head(hidden.float()).squeeze(-1)  # (N, T-1)
-        return logprobs, entropy, values
+        return logprobs, entropy, values, aux, metrics
 
     @property
     def decoder(self) -> nn.Module:

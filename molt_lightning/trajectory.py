@@ -5,6 +5,11 @@ an agent that rewrites its history starts a new one), each a list of *spans*: ``
 context (never trained on), ``policy`` spans are tokens the engine sampled, each with the engine's logprob and the
 integer policy version that sampled it. Policy spans are only made from engine output (``Span.policy``), so a trained
 token always has an engine record; ``collate`` checks it again and raises on a violation (a bug, not a warning).
+
+Mixture-of-experts policies add one per-token fact, like logprobs and versions: the experts each position was routed
+to by the engine (``Span.routing``, (n, layers, k) int16, ``moe.NO_RECORD`` rows where the engine never forwarded
+the position). ``place_routing`` puts an engine call's rows onto its segment's spans, keeping every position's first
+record; ``collate`` stacks them into ``Batch.routing`` (one function, ``_routing``), which routing replay consumes.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from enum import Enum
 from typing import Any
 
 import torch
+
+from .moe import NO_RECORD, ROUTING_DTYPE
 
 
 class Kind(str, Enum):
@@ -39,6 +46,7 @@ class Span:
     token_ids: list[int]
     logprobs: list[float] | None = None  # policy spans: the engine's logprob of each sampled token
     versions: list[int] | None = None  # policy spans: the policy version that sampled each token
+    routing: torch.Tensor | None = None  # MoE policies, any kind: (n, layers, k) int16 experts, NO_RECORD rows
 
     @classmethod
     def policy(cls, token_ids: list[int], logprobs: list[float], versions: list[int]) -> Span:
@@ -49,6 +57,26 @@ class Span:
         if kind == Kind.POLICY:
             raise ConsistencyError("a policy span needs engine logprobs and versions: use Span.policy")
         return cls(kind, list(token_ids))
+
+
+def place_routing(segment: list[Span], routing: torch.Tensor | None) -> None:
+    """Put an engine call's routing record (P, layers, k), for the segment's first P positions, onto its spans: each
+    position keeps its first record (an earlier turn's tokens keep the routing they were sampled with); positions
+    the record does not reach (the last generated token) get ``NO_RECORD`` rows, which a later call fills."""
+    if routing is None:
+        return
+    start = 0
+    for span in segment:
+        n = len(span.token_ids)
+        rows = torch.full((n, *routing.shape[1:]), NO_RECORD, dtype=ROUTING_DTYPE)  # (n, layers, k)
+        got = routing[start:start + n]  # (<= n, layers, k)
+        rows[: len(got)] = got
+        if span.routing is None:
+            span.routing = rows
+        else:
+            missing = span.routing[:, 0, 0] == NO_RECORD  # (n,)
+            span.routing[missing] = rows[missing]
+        start += n
 
 
 @dataclass
@@ -91,6 +119,7 @@ class Batch:
     group_ids: torch.Tensor  # (N,) long
     traj_ids: torch.Tensor  # (N,) long, index of the trajectory in ``trajectories``
     trajectories: list[Trajectory]
+    routing: torch.Tensor | None = None  # (N, T, layers, k) int16 engine experts, NO_RECORD off record; None: dense
     stats: dict[str, float] = field(default_factory=dict)  # rollout-side counters since the previous batch
 
     def to(self, device) -> Batch:
@@ -119,11 +148,14 @@ def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None
                     vers += [-1] * n
                 ids += span.token_ids
                 mask += [span.kind == Kind.POLICY] * n
+                if span.routing is not None and span.routing.shape[0] != n:
+                    raise ConsistencyError(f"sample {traj.sample_id}: {n} tokens but {span.routing.shape[0]} "
+                                           "routing rows")
             if not any(mask):
                 continue  # a segment with nothing generated carries no signal
             if mask[0]:
                 raise ConsistencyError(f"sample {traj.sample_id}: a segment starts with a policy token (no prompt)")
-            rows.append((ids, mask, lps, vers, traj.reward, traj.group_id, t_idx))
+            rows.append((ids, mask, lps, vers, traj.reward, traj.group_id, t_idx, seg))
     if not rows:
         raise ConsistencyError("no trainable tokens in this batch")
     width = max(len(r[0]) for r in rows)
@@ -141,8 +173,25 @@ def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None
         group_ids=torch.tensor([r[5] for r in rows], dtype=torch.long),
         traj_ids=torch.tensor([r[6] for r in rows], dtype=torch.long),
         trajectories=trajectories,
+        routing=_routing([r[7] for r in rows], width),
     )
     return batch
+
+
+def _routing(segments: list[list[Span]], width: int) -> torch.Tensor | None:
+    """``Batch.routing`` (N, width, layers, k) int16 from the rows' spans, ``NO_RECORD`` where a span has no record
+    and on padding; None when no span has one (a dense policy)."""
+    shape = next((s.routing.shape[1:] for seg in segments for s in seg if s.routing is not None), None)
+    if shape is None:
+        return None
+    out = torch.full((len(segments), width, *shape), NO_RECORD, dtype=ROUTING_DTYPE)  # (N, T, layers, k)
+    for row, seg in enumerate(segments):
+        start = 0
+        for span in seg:
+            if span.routing is not None:
+                out[row, start:start + len(span.token_ids)] = span.routing
+            start += len(span.token_ids)
+    return out
 
 
 def _check_policy_span(span: Span, sample_id: int, max_version: int | None) -> None:

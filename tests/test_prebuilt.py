@@ -10,7 +10,7 @@ import pytest
 
 from molt_lightning.models import tiny
 
-SPECS = {"arithmetic": tiny.SPEC, "python_tool": tiny.PYTHON_TOOL_SPEC}
+SPECS = tiny.SPECS  # arithmetic, python_tool, moe
 
 
 @pytest.mark.parametrize("task", sorted(SPECS))

@@ -37,6 +37,10 @@ class Generation:
     logprobs: list[float]  # logprob of each sampled token under the sampling distribution (temperature applied)
     versions: list[int]  # policy version that sampled each token
     finish_reason: str  # "stop" (end-of-turn token or a stop id), "length" (max_tokens) or "abort"
+    # mixture-of-experts policies, engines that capture (``captures_routing``): the experts each position was routed
+    # to when the engine first forwarded it, (len(prompt) + len(token_ids) - 1, layers, k) int16: the prompt's and
+    # the generated tokens' positions but the last generated one (never forwarded). None for a dense policy.
+    routing: torch.Tensor | None = None
 
 
 @dataclass
@@ -68,7 +72,11 @@ class Adapter:
 
 class RolloutEngine(ABC):
     """Subclasses implement ``start``, ``_generate``, ``_stage``, ``_commit``, ``shutdown``, ``pause``, ``resume``;
-    ``start`` sets ``vocab_size`` (the size of the distribution the engine samples from)."""
+    ``start`` sets ``vocab_size`` (the size of the distribution the engine samples from). An engine that records
+    the experts a mixture-of-experts policy routed each position to (``Generation.routing``, for routing replay)
+    sets ``captures_routing``."""
+
+    captures_routing = False
 
     def __init__(self) -> None:
         self.version = 0

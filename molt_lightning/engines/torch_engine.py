@@ -11,6 +11,10 @@ A LoRA policy (``self.adapter``, set at launch): the model is wrapped with peft 
 once by their peft names (``get_peft_model_state_dict``). The adapter stays unmerged, so the engine computes exactly
 what the trainer's ``PeftModel`` computes, and the same in-flight semantics hold (the batch in flight recomputes its
 KV under the new adapter: unlike vLLM, where a request keeps its adapter; both tag every token exactly).
+For a mixture-of-experts policy the engine also records, through hooks on the routers (``moe.RoutingCapture``), the
+experts every forwarded position went to: the prefill's rows for the prompt, one row per decode step, kept from the
+first time a position is forwarded (a recompute after a weight update does not overwrite them); left padding is cut
+off. That record is what routing replay (``moe``) trains through.
 
 The decode loop is written by hand because ``generate`` offers no point between steps to swap weights and tag
 versions; the model forward, KV cache and position handling are transformers'.
@@ -24,10 +28,13 @@ from collections.abc import Mapping
 
 import torch
 
+from .. import moe
 from .base import Generation, RolloutEngine, Sampling
 
 
 class TorchEngine(RolloutEngine):
+    captures_routing = True  # for mixture-of-experts policies (dense ones return routing=None)
+
     def __init__(self, device: str = "cpu", dtype: str = "float32", max_batch: int = 256, seed: int = 0):
         super().__init__()
         self.device, self.dtype, self.max_batch, self.seed = device, getattr(torch, dtype), max_batch, seed
@@ -58,6 +65,7 @@ class TorchEngine(RolloutEngine):
         self.eos_ids = _eos_ids(self.model.generation_config, self.model.config)
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self.gen = torch.Generator(device=self.device).manual_seed(self.seed)
+        self.capture = moe.RoutingCapture(self.model)  # MoE routers' choices (none for a dense policy)
         self._pending = asyncio.Queue()
         self._scheduler = asyncio.create_task(self._schedule())
 
@@ -137,6 +145,7 @@ class TorchEngine(RolloutEngine):
         alive = [m > 0 for m in max_new]
         gens = [None if s.seed is None else torch.Generator(device=dev).manual_seed(s.seed) for _, s in requests]
         cache, seen = None, None
+        self.capture.start(B, L + max(max_new))
         while any(alive):
             self._unpaused.wait()
             with self._weights:
@@ -146,6 +155,7 @@ class TorchEngine(RolloutEngine):
                 out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
                                  past_key_values=cache, use_cache=True)
             seen, cache = version, out.past_key_values
+            self.capture.step(B, step_ids.shape[1], ids.shape[1])  # the forward ran the last S of ids' columns
             logits = out.logits[:, -1].float()  # (B, V)
             tok, lp = _sample(logits, temps, self.gen, gens)  # (B,), (B,)
             toks, lps = tok.tolist(), lp.tolist()
@@ -164,7 +174,9 @@ class TorchEngine(RolloutEngine):
             ids = torch.cat([ids, step_ids], dim=1)  # (B, L + t)
             pos = torch.cat([pos, step_pos], dim=1)  # (B, L + t)
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=dev)], dim=1)  # (B, L + t)
-        return [Generation(out_ids[i], out_lps[i], out_vers[i], reasons[i]) for i in range(B)]
+        # a request's routing: its prompt (left padding cut off) and its tokens but the last (never forwarded)
+        return [Generation(out_ids[i], out_lps[i], out_vers[i], reasons[i],
+                           self.capture.rows(i, L - len(requests[i][0]), L + len(out_ids[i]) - 1)) for i in range(B)]
 
 
 def _sample(logits: torch.Tensor, temps: torch.Tensor, gen: torch.Generator,

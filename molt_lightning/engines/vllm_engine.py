@@ -79,10 +79,16 @@ class VLLMEngine(RolloutEngine):
         cpu_threads: str | None = None,
         weight_dir: str = "/dev/shm",
         engine_kwargs: dict | None = None,
+        capture_routing: bool = False,
     ):
         """``cpu_threads`` binds the CPU engine's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"`` or
-        ``"0-1"``); ``engine_kwargs`` go to ``AsyncEngineArgs`` as they are (e.g. ``gpu_memory_utilization``)."""
+        ``"0-1"``); ``engine_kwargs`` go to ``AsyncEngineArgs`` as they are (e.g. ``gpu_memory_utilization``);
+        ``capture_routing`` records a mixture-of-experts policy's routing (``Generation.routing``, for routing
+        replay) through the worker extension: eager mode only, and prefix caching is turned off."""
         super().__init__()
+        if capture_routing and not enforce_eager:
+            raise ValueError("VLLMEngine(capture_routing=True) hooks the routers in eager mode: set enforce_eager=True")
+        self.captures_routing = capture_routing
         self.dtype, self.max_model_len, self.enforce_eager, self.seed = dtype, max_model_len, enforce_eager, seed
         self.kv_cache_gib, self.cpu_threads = kv_cache_gib, cpu_threads
         self.weight_dir = weight_dir if os.path.isdir(weight_dir) else None
@@ -92,6 +98,8 @@ class VLLMEngine(RolloutEngine):
         self._staged: list[str] = []  # safetensors files of the buckets staged for the next commit
         self._staged_adapter: dict[str, torch.Tensor] = {}  # a LoRA policy's staged adapter tensors (peft names)
         self.adapters: AdapterSlots | None = None  # the LoRA adapters served, when self.adapter is set
+        self._wanted: list[tuple[str, int, asyncio.Future]] = []  # finished requests whose routing is to be taken
+        self._taker: asyncio.Task | None = None
 
     def launch(self, model_path: str, adapter: Adapter | None = None) -> None:
         if self._users == 0:  # on the caller's thread, before vLLM's engine process is spawned
@@ -113,7 +121,7 @@ class VLLMEngine(RolloutEngine):
             model=model_path, dtype=self.dtype, max_model_len=self.max_model_len, enforce_eager=self.enforce_eager,
             seed=self.seed, logprobs_mode="processed_logprobs", disable_log_stats=True,
             worker_extension_cls="molt_lightning.engines.vllm_worker.MoltWorkerExtension",
-            **{**lora, **self.engine_kwargs},
+            **({"enable_prefix_caching": False} if self.captures_routing else {}), **{**lora, **self.engine_kwargs},
         )
         try:
             with _bound_to(self.cpu_threads):  # the engine's processes inherit the binding; this one gets its own back
@@ -126,6 +134,8 @@ class VLLMEngine(RolloutEngine):
         await self.llm.update_weight_version(str(self.version))
         if self.adapter is not None:
             self.adapters = AdapterSlots(self.llm, self.adapter, self.weight_dir)
+        if self.captures_routing and not (await self.llm.collective_rpc("molt_capture_routing"))[0]:
+            raise ValueError(f"VLLMEngine(capture_routing=True): {model_path} has no mixture-of-experts layers")
 
     async def shutdown(self) -> None:
         if self.adapters is not None:
@@ -173,7 +183,39 @@ class VLLMEngine(RolloutEngine):
         if -1 in versions:
             raise RuntimeError("vLLM returned tokens without a weight version: was update_weight_version called?")
         reason = {"stop": "stop", "length": "length"}.get(out.finish_reason, "abort")
-        return Generation(ids, logprobs, versions, reason)
+        routing = None
+        if self.captures_routing:  # the prompt's positions and the tokens' but the last (never forwarded)
+            routing = await self._routing(request_id, len(prompt_ids) + len(ids) - 1)
+        return Generation(ids, logprobs, versions, reason, routing)
+
+    async def _routing(self, request_id: str, n: int) -> torch.Tensor:
+        """The request's first ``n`` positions' routing, (n, layers, k); requests finishing together share one call
+        to the worker (one call per request cost ~1 s/step on the tiny MoE)."""
+        done = asyncio.get_running_loop().create_future()
+        self._wanted.append((request_id, n, done))
+        if self._taker is None or self._taker.done():
+            self._taker = asyncio.create_task(self._take_routing())
+        return await done
+
+    async def _take_routing(self) -> None:
+        from .. import moe
+
+        while self._wanted:
+            wanted, self._wanted = self._wanted, []
+            try:
+                tables = (await self.llm.collective_rpc("molt_take_routing", args=(
+                    [r for r, _, _ in wanted], [n for _, n, _ in wanted])))[0]
+            except Exception as e:  # noqa: BLE001 (every waiting request gets it)
+                for _, _, done in wanted:
+                    done.set_exception(e)
+                continue
+            for (request_id, n, done), rows in zip(wanted, tables):
+                routing = torch.tensor(rows, dtype=moe.ROUTING_DTYPE)  # (n, layers, k)
+                if len(rows) != n or (routing[:, 0, 0] == moe.NO_RECORD).any():
+                    done.set_exception(RuntimeError(f"vLLM's routing capture missed positions of request "
+                                                    f"{request_id} (prefix caching on? see engines/vllm_worker.py)"))
+                else:
+                    done.set_result(routing)
 
     async def _stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
         if self.adapters is not None:  # adapter tensors are small: written as one peft folder at commit

