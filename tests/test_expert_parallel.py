@@ -48,6 +48,9 @@ def test_two_ranks_with_half_the_experts_each_take_the_same_step_as_one_process(
     assert two["start"]["model.layers.0.mlp.experts.down_proj"].shape == (8, 128, 64)
     # the same loss: the micro-batches differ (each rank has its own rows) but their batch-normalized sum does not
     assert abs(sum(map(sum, one["losses"])) - sum(map(sum, two["losses"]))) < 1e-6
+    norms = two["grad_norms"]  # every rank computes the global norm, over all the experts: the one-process norm
+    assert len(norms[0]) == 2 and norms[0] == norms[1]
+    assert max(abs(a / b - 1) for a, b in zip(norms[0], one["grad_norms"][0])) < 1e-5, (norms, one["grad_norms"])
     moved = min(float((one["final"][k] - hf[k]).abs().max()) for k in hf if "experts" in k)
     diff = max_diff(one["final"], two["final"])
     assert moved > 1e-3 and diff < 1e-6, (moved, diff)  # a wrong expert-gradient scale is off by ~moved

@@ -5,8 +5,8 @@ strategy, then a weight push into a ``TorchEngine`` in small buckets; rank 0 sav
 
 ``replay`` trains through a fixed random routing record (every expert gets tokens, most of them another rank's under
 expert parallelism). OUT.pt holds: ``start`` and ``final`` (the gathered full state before and after the two steps),
-``engine`` (the torch engine's weights after the push), ``losses`` and, per rank, ``local`` (the shape each rank holds
-of every expert tensor).
+``engine`` (the torch engine's weights after the push), ``buckets``, and per rank ``losses``, ``grad_norms`` and
+``local`` (the shape each rank holds of every expert tensor).
 """
 
 import asyncio
@@ -29,6 +29,19 @@ MOE = "molt_lightning.models.tiny.moe_policy"
 
 def full_state(lm, bucket_bytes: int = 2**30) -> dict[str, torch.Tensor]:
     return {k: v.clone() for b in parallel.full_state_buckets(lm, bucket_bytes) for k, v in b.items()}
+
+
+NORMS: list[float] = []  # the gradient norm of every optimizer step (the loop's clip_grad_norm_ returns it)
+_clip = torch.nn.utils.clip_grad_norm_
+
+
+def _recording_clip(*args, **kwargs):
+    norm = _clip(*args, **kwargs)
+    NORMS.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))  # DTensor under FSDP2
+    return norm
+
+
+torch.nn.utils.clip_grad_norm_ = _recording_clip
 
 
 class EPStep(StepBench):
@@ -66,6 +79,7 @@ class EPStep(StepBench):
     def on_train_end(self):
         self.out["final"] = full_state(self.policy.lm)
         self.out["losses"] = parallel.all_gather(self.losses, self.trainer)
+        self.out["grad_norms"] = parallel.all_gather(NORMS, self.trainer)
         # the push: every rank gathers each small bucket (experts and FSDP2 shards interleaved), rank 0 stages it
         engine, loop = None, asyncio.new_event_loop()
         if self.global_rank == 0:
