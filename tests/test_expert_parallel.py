@@ -104,7 +104,8 @@ def test_a_dense_policy_or_experts_the_ranks_do_not_divide_are_clear_errors(poli
 def test_molt_fit_with_expert_parallelism_stays_on_policy_with_exact_sync(tmp_path):
     """``molt fit`` on the tiny MoE, ``fsdp2_ep`` on 2 ranks, routing replay, ``max_lag=0``: disjoint groups per rank,
     half of every expert tensor per rank, the engine serves exactly the gathered weights after every sync, and the
-    IS ratio is 1 (the EP forward's logprobs equal the engine's), with a distributed checkpoint saved every step."""
+    IS ratio is 1 (the EP forward's logprobs equal the engine's); the distributed checkpoint holds the full expert
+    tensors and a run resumes from it."""
     from test_distributed import check_disjoint_groups_and_exact_sync, fit, metrics, records
 
     probe = fit(tmp_path, "fsdp2_ep", steps=3, policy=MOE, routing="replay", max_lag=0)
@@ -118,4 +119,20 @@ def test_molt_fit_with_expert_parallelism_stays_on_policy_with_exact_sync(tmp_pa
     steps = metrics(tmp_path, "run").dropna(subset=["reward"])
     assert len(steps) == 3 and steps["lag/max"].max() == 0
     assert ((steps["is/ratio_min"] - 1).abs() < 1e-3).all() and ((steps["is/ratio_max"] - 1).abs() < 1e-3).all()
-    assert (tmp_path / "ckpt" / "last.ckpt").is_dir()  # the distributed checkpoint holds the expert shards
+    # the distributed checkpoint holds the full expert tensors, and a run resumes from it with exactly those weights
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(tmp_path / "ckpt" / "last.ckpt", tmp_path / "last.pt")
+    saved = torch.load(tmp_path / "last.pt", weights_only=False)["state_dict"]
+    lm = {k[len("policy.lm."):]: v for k, v in saved.items() if k.startswith("policy.lm.")}
+    assert lm["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 128, 128)
+    resumed = fit(tmp_path, "fsdp2_ep", steps=4, name="resumed", ckpt=str(tmp_path / "ckpt" / "last.ckpt"),
+                  policy=MOE, routing="replay", max_lag=0)
+    [sync] = records(resumed, 0, "sync")
+    assert sync["version"] == sync["engine_version"] == 3 and sync["max_abs_diff"] == 0.0
+    from transformers import AutoModelForCausalLM
+
+    from molt_lightning.models.tiny import moe_policy
+
+    names = [n for n, _ in AutoModelForCausalLM.from_pretrained(moe_policy()).named_parameters()]  # tied head once
+    assert sync["checksum"] == pytest.approx(float(sum(lm[n].double().sum() for n in names)), rel=1e-12, abs=0)
