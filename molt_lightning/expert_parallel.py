@@ -32,9 +32,13 @@ all-reduce sums the experts' partial outputs): wrong for ranks with different ba
 token dispatchers target their own model classes and NCCL.
 
 Deviations and limits: no capacity factor and no token dropping (every assignment is computed: exact, uneven load);
-one all-to-all for counts plus three for data per layer and pass (forward: ids, rows, outputs; backward: two);
-EP size equals the data-parallel size (no separate EP mesh dimension); every rank must run the same number of MoE
-forwards (the loop guarantees it: an empty micro-batch still runs one row with weight 0).
+per sparse layer the forward runs four all-to-alls (counts, rows, expert ids, outputs) and the backward two; a token
+whose k experts live on one rank travels k times (DeepEP-style dispatch would send it once); EP size equals the
+data-parallel size (no separate EP mesh dimension); the experts' ``config._experts_implementation`` is bypassed (always
+the eager loop); a local expert no token reached gets a zero gradient rather than none (the same SGD step; AdamW's
+moments and weight decay still move it); every rank must run the same number of MoE forwards (the loop guarantees it:
+an empty micro-batch still runs one row with weight 0). Activation checkpointing of an MoE policy
+fails before this module matters (the recompute calls the routers without ``moe.routed``'s hook), under any strategy.
 """
 
 from __future__ import annotations
