@@ -41,7 +41,8 @@ def one(strategy: str, devices: int, threads: int, rows: int, tokens: int, steps
         times = module.times[1:] or module.times  # the first step warms up
         print("RESULT " + json.dumps({"policy": "tiny-moe", "strategy": strategy, "ranks": devices,
                                       "threads_per_rank": threads, "rows": rows, "tokens": tokens,
-                                      "s_per_step": statistics.median(times), "steps": [round(t, 4) for t in times]}))
+                                      "s_per_step": statistics.median(times), "s_per_step_min": min(times),
+                                      "steps": [round(t, 4) for t in times]}))
 
 
 def main() -> None:
@@ -66,12 +67,14 @@ def main() -> None:
         results.append({**json.loads(line[len("RESULT "):]), "time": stamp, "cores": os.cpu_count(),
                         "load_avg_1min": round(os.getloadavg()[0], 2)})
     base = {r["threads_per_rank"] * r["ranks"]: r["s_per_step"] for r in results if r["strategy"] == "auto"}
-    print(f"{'strategy':<10} {'ranks':>5} {'threads/rank':>12} {'s/step':>8} {'/ 1 proc 1 thread':>18} "
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (s/step: median after the first step)")
+    print(f"{'strategy':<10} {'ranks':>5} {'threads/rank':>12} {'s/step':>8} {'min':>7} {'/ 1 proc 1 thread':>18} "
           f"{'/ 1 proc same threads':>22}")
     for r in results:
         r["ratio_to_one_thread"] = round(r["s_per_step"] / base[1], 3)
         r["ratio_to_same_threads"] = round(r["s_per_step"] / base[r["threads_per_rank"] * r["ranks"]], 3)
         print(f"{r['strategy']:<10} {r['ranks']:>5} {r['threads_per_rank']:>12} {r['s_per_step']:>8.3f} "
+              f"{r['s_per_step_min']:>7.3f} "
               f"{r['ratio_to_one_thread']:>18.2f} {r['ratio_to_same_threads']:>22.2f}")
     if a.out:
         with open(a.out, "a") as f:

@@ -1,8 +1,9 @@
 """Expert parallelism (``--trainer.strategy fsdp2_ep``, ``expert_parallel``) on the tiny MoE with two processes on the
-CPU (gloo): each rank holds half of every expert tensor, two SGD steps at lr 1 land on the one-process weights (the
-experts' gradient scale shows: without the 1/world it is off by 0.025), free and replayed routing; the weight push
-gathers the full Hugging Face expert tensors and a torch engine receives exactly them; a dense policy or an expert
-count the ranks do not divide is a clear error. The one-process reference runs the stock transformers experts."""
+CPU (gloo): one sparse layer's forward and backward equal transformers' experts (uneven and empty splits); each rank
+holds half of every expert tensor, and two SGD steps at lr 1 land on the one-process weights with free and replayed
+routing (the experts' gradient scale shows: without the 1/world they are off by 0.025); the weight push gathers the
+full Hugging Face expert tensors and a torch engine receives exactly them; a dense policy or an expert count the ranks
+do not divide is a clear error. The one-process reference runs the stock transformers experts."""
 
 from __future__ import annotations
 
@@ -30,6 +31,29 @@ def ep_step(strategy: str, devices: int, routing: str, tmp: Path) -> dict:
 def max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_ep_experts_equal_the_stock_experts_forward_and_backward_with_uneven_and_empty_splits():
+    """One sparse layer on 2 gloo processes (``helpers/ep_forward.py``) against transformers' experts in one: the
+    outputs and the gradients of hidden states, routing weights and (times world) this rank's expert block."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "ep_forward.py"), str(port)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    cases = {c["case"]: c for c in map(json.loads, run.stdout.splitlines())}
+    assert set(cases) == {"random", "skewed", "local"}
+    for case in cases.values():
+        for d in case["ranks"]:
+            assert d["out"] < 1e-6 and d["grad_hidden"] < 1e-6 and d["grad_weights"] < 1e-6, case
+            assert d["grad_gate_up"] < 1e-5 and d["grad_down"] < 1e-5, case
+    skewed = cases["skewed"]["ranks"]  # rank 1 computed rank 0's tokens, rank 0's experts got none
+    assert skewed[1]["ref_grad_gate_up_max"] > 0.1 and skewed[0]["ref_grad_gate_up_max"] == 0.0
 
 
 @pytest.mark.parametrize("routing", ["free", "replay"])
