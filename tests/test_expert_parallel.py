@@ -33,18 +33,15 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def test_ep_experts_equal_the_stock_experts_forward_and_backward_with_uneven_and_empty_splits():
+def test_ep_experts_equal_the_stock_experts_forward_and_backward_with_uneven_and_empty_splits(tmp_path):
     """One sparse layer on 2 gloo processes (``helpers/ep_forward.py``) against transformers' experts in one: the
     outputs and the gradients of hidden states, routing weights and (times world) this rank's expert block."""
     import json
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "ep_forward.py"), str(port)], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=300)
+    helper = ROOT / "tests" / "helpers" / "ep_forward.py"
+    run = subprocess.run([sys.executable, str(helper), str(tmp_path / "rendezvous")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     cases = {c["case"]: c for c in map(json.loads, run.stdout.splitlines())}
     assert set(cases) == {"random", "skewed", "local"}

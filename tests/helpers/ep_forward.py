@@ -2,7 +2,7 @@
 layer of the tiny MoE: outputs, and gradients of the hidden states, routing weights and expert tensors. Prints one
 JSON line per case (rank 0) with the largest differences; the test bounds them.
 
-    python tests/helpers/ep_forward.py PORT
+    python tests/helpers/ep_forward.py RENDEZVOUS_FILE   # a path that does not exist yet (no port to race for)
 
 Cases: ``random`` (uneven token counts, 7 and 12), ``skewed`` (every token of rank 0 goes to rank 1's experts and
 rank 1 has no token at all: zero-size splits both ways), ``local`` (each rank's tokens stay on its own experts).
@@ -10,7 +10,6 @@ rank 1 has no token at all: zero-size splits both ways), ``local`` (each rank's 
 
 import copy
 import json
-import os
 import sys
 
 import torch
@@ -33,9 +32,8 @@ def routing(case: str, rank: int, n: int, experts: int, k: int, g: torch.Generat
     return scores.topk(k, dim=-1).indices  # (n, k)
 
 
-def main(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def main(rank: int, rendezvous: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
@@ -91,4 +89,4 @@ def main(rank: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    torch.multiprocessing.spawn(main, args=(int(sys.argv[1]),), nprocs=2)
+    torch.multiprocessing.spawn(main, args=(sys.argv[1],), nprocs=2)
