@@ -1,8 +1,8 @@
 """``molt``: the command line, LightningCLI over ``AsyncRLModule`` (``molt fit --config recipes/X.yaml``).
 
-Every Trainer flag works (``--trainer.max_steps 3``); ``--trainer.strategy`` is ``auto``, ``ddp`` or ``fsdp2``
-(two CPU processes: ``--trainer.devices 2``). vLLM is imported only when an engine starts, so ``--help`` answers at
-once. The progress bar counts optimizer steps (``StepProgressBar``) unless the recipe brings its own or
+Every Trainer flag works (``--trainer.max_steps 3``); ``--trainer.strategy`` is ``auto``, ``ddp``, ``fsdp2`` or
+``fsdp2_ep`` (two CPU processes: ``--trainer.devices 2``). vLLM is imported only when an engine starts, so
+``--help`` answers at once. The progress bar counts optimizer steps (``StepProgressBar``) unless the recipe brings its own or
 ``--trainer.enable_progress_bar false``; a summary closes the run (``RunSummary``). On a terminal (or with
 ``MOLT_QUIET=1``) that is all the terminal shows: everything else goes to ``molt.log`` in the run folder
 (``callbacks.runlog``). Checkpoints are written atomically, a full disk named
@@ -167,7 +167,8 @@ def main(args: list[str] | None = None) -> None:
                 with self._answered():
                     config = self.config[self.subcommand]
                     check_recipe(config.model)
-                    if config.model.get("lora") is not None and config.trainer.get("strategy") == "fsdp2":
+                    sharded = config.trainer.get("strategy") in ("fsdp2", "fsdp2_ep")
+                    if config.model.get("lora") is not None and sharded:
                         raise ValueError(LORA_UNDER_FSDP2)  # before any process starts (parallel.shard says it too)
 
         def instantiate_classes(self) -> None:

@@ -18,6 +18,8 @@ Ranks and engines (the one place that says it):
 Strategies: ``ddp`` (Lightning's ``DDPStrategy``) and ``fsdp2`` (``FSDP2Strategy`` below: Lightning's
 ``ModelParallelStrategy`` with all ranks data-parallel; ``shard`` applies ``fully_shard`` to every decoder layer and
 then to each ``Policy`` root in ``configure_model``). Anything else is refused with the choices.
+``fsdp2_ep`` (``FSDP2EPStrategy``, mixture-of-experts policies) is ``fsdp2`` whose ``shard`` first splits every
+sparse layer's experts over the ranks, with all-to-all dispatch (``expert_parallel``); FSDP2 ignores the experts.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, StrategyRegistry
 
-STRATEGIES = ("auto", "ddp", "fsdp2")  # the names --trainer.strategy takes
-SUPPORTED = "auto (one process), ddp, fsdp2"
-LORA_UNDER_FSDP2 = ("model.lora with --trainer.strategy fsdp2 is not supported yet (the adapter's sync and peft's "
+STRATEGIES = ("auto", "ddp", "fsdp2", "fsdp2_ep")  # the names --trainer.strategy takes
+SUPPORTED = "auto (one process), ddp, fsdp2, fsdp2_ep (mixture-of-experts: experts split over the ranks)"
+LORA_UNDER_FSDP2 = ("model.lora with --trainer.strategy fsdp2 or fsdp2_ep is not supported yet (the adapter's sync and peft's "
                     "frozen base are not wired through fully_shard): use --trainer.strategy ddp, or one process, or "
                     "drop model.lora for full fine-tuning under fsdp2")
 
@@ -47,6 +49,16 @@ class FSDP2Strategy(ModelParallelStrategy):
 
 if "fsdp2" not in StrategyRegistry:
     StrategyRegistry.register("fsdp2", FSDP2Strategy, description="FSDP2 (fully_shard) over all ranks, molt-lightning")
+
+
+# ----- expert parallelism (the plan is in expert_parallel.py) -----
+class FSDP2EPStrategy(FSDP2Strategy):
+    """``fsdp2`` for every parameter but the experts, which are split over the ranks (``expert_parallel``)."""
+
+
+if "fsdp2_ep" not in StrategyRegistry:
+    StrategyRegistry.register("fsdp2_ep", FSDP2EPStrategy,
+                              description="FSDP2 plus expert parallelism (all-to-all) over all ranks, molt-lightning")
 
 
 def check_strategy(trainer) -> None:
@@ -85,9 +97,14 @@ def shard(policy: torch.nn.Module, strategy) -> None:
     layers = getattr(decoder_of(policy.lm), "layers", None)
     if layers is None:
         raise ValueError(f"fsdp2: {type(policy.lm).__name__} has no base_model.layers to shard; use ddp")
+    experts = None  # fsdp2_ep: this rank's experts, which FSDP2 leaves alone
+    if isinstance(strategy, FSDP2EPStrategy):
+        from .expert_parallel import shard_experts
+
+        experts = shard_experts(policy.lm, mesh)
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(policy, mesh=mesh)
+        fully_shard(layer, mesh=mesh, ignored_params=experts)
+    fully_shard(policy, mesh=mesh, ignored_params=experts)
 
 
 @contextmanager
