@@ -2,8 +2,8 @@
 
 Every Trainer flag works (``--trainer.max_steps 3``); ``--trainer.strategy`` is ``auto``, ``ddp``, ``fsdp2`` or
 ``fsdp2_ep`` (two CPU processes: ``--trainer.devices 2``). vLLM is imported only when an engine starts, so
-``--help`` answers at once. The progress bar counts optimizer steps (``StepProgressBar``) unless the recipe brings its own or
-``--trainer.enable_progress_bar false``; a summary closes the run (``RunSummary``). On a terminal (or with
+``--help`` answers at once. The progress bar counts optimizer steps (``StepProgressBar``) unless the recipe brings its
+own or ``--trainer.enable_progress_bar false``; a summary closes the run (``RunSummary``). On a terminal (or with
 ``MOLT_QUIET=1``) that is all the terminal shows: everything else goes to ``molt.log`` in the run folder
 (``callbacks.runlog``). Checkpoints are written atomically, a full disk named
 (``callbacks.checkpoint.AtomicCheckpointIO``), unless the recipe brings its own ``CheckpointIO``.
