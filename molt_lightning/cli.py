@@ -6,7 +6,8 @@ once. The progress bar counts optimizer steps (``StepProgressBar``) unless the r
 ``--trainer.enable_progress_bar false``; a summary closes the run (``RunSummary``). On a terminal (or with
 ``MOLT_QUIET=1``) that is all the terminal shows: everything else goes to ``molt.log`` in the run folder
 (``callbacks.runlog``). Checkpoints are written atomically, a full disk named
-(``callbacks.checkpoint.AtomicCheckpointIO``), unless the recipe brings its own ``CheckpointIO``.
+(``callbacks.checkpoint.AtomicCheckpointIO``), unless the recipe brings its own ``CheckpointIO``. ``molt serve``
+starts a vLLM server for ``RemoteVLLMEngine``/``EnginePool`` (``molt_lightning.serve``).
 
 A bad recipe is answered before anything starts, with the problem and its fix and no traceback: jsonargparse's
 parse errors (YAML syntax, unknown keys, wrong types, dotted paths that do not import or are the wrong kind of
@@ -148,6 +149,11 @@ def _name(fn) -> str:
 
 
 def main(args: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["serve"]:  # `molt serve`: a vLLM server for the remote engine (molt_lightning.serve)
+        from .serve import main as serve
+
+        return serve(argv[1:])
     from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.cli import LightningCLI
