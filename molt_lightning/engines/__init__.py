@@ -2,9 +2,10 @@
 server (``RemoteVLLMEngine``) and a pool of them (``EnginePool``)."""
 
 from .base import Generation, RolloutEngine, Sampling
+from .pool import EnginePool
 from .remote import EngineUnavailable, RemoteVLLMEngine
 from .torch_engine import TorchEngine
 from .vllm_engine import VLLMEngine
 
-__all__ = ["EngineUnavailable", "Generation", "RemoteVLLMEngine", "RolloutEngine", "Sampling", "TorchEngine",
-           "VLLMEngine"]
+__all__ = ["EnginePool", "EngineUnavailable", "Generation", "RemoteVLLMEngine", "RolloutEngine", "Sampling",
+           "TorchEngine", "VLLMEngine"]

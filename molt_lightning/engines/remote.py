@@ -185,24 +185,33 @@ class RemoteVLLMEngine(RolloutEngine):
         self._staged.append(await asyncio.to_thread(self._serialize, bucket))
 
     async def _commit(self, version: int) -> None:
+        """Pause, load, reset, tag, resume. A server that is down, or goes down during the update, keeps the update
+        for when it answers again (``adopt_staged``): it then loads it before it serves."""
         async with self.weights_lock:
-            await self.pause()
+            if not self.alive:
+                return self.adopt_staged(version)
             try:
-                await self.load_staged()
-                await self.finish_update(version)
-            finally:
-                await self.resume()
+                await self.pause()
+                try:
+                    await self.load_staged()
+                    await self.finish_update(version)
+                finally:
+                    await self.resume()
+            except EngineUnavailable as e:
+                self.mark_down(f"the update to version {version} failed: {e}")
+                self.adopt_staged(version)
 
     async def load_staged(self) -> None:
         """Load the staged buckets (the server is paused); they become the ones a returning server gets."""
-        payload, self._staged = self._staged, []
-        try:
-            await self._load(payload)
-        except BaseException:
-            self._discard(payload)
-            raise
-        self._discard(self._current)
-        self._current = payload
+        await self._load(self._staged)
+        self.adopt_staged(self.version)
+
+    def adopt_staged(self, version: int) -> None:
+        """Make the staged buckets and ``version`` current without touching the server (down: see ``_rejoin``)."""
+        if self._staged:
+            self._discard(self._current)
+            self._current, self._staged = self._staged, []
+        self.version = version
 
     async def finish_update(self, version: int) -> None:
         """(Paused, weights loaded.) Drop every KV block the old weights computed, running requests' included, and
@@ -248,7 +257,7 @@ class RemoteVLLMEngine(RolloutEngine):
             try:
                 await self._call("GET", "/health", timeout=self.connect_timeout_s + 5)
             except EngineUnavailable as e:
-                self._mark_down(str(e))
+                self.mark_down(str(e))
                 continue
             if not self.alive:
                 await self._rejoin()
@@ -267,9 +276,9 @@ class RemoteVLLMEngine(RolloutEngine):
             self._down_since = None
             log.warning("the engine at %s serves again (version %d)", self.url, self.version)
         except (EngineUnavailable, RuntimeError) as e:
-            self._mark_down(f"could not reload its weights: {e}")
+            self.mark_down(f"could not reload its weights: {e}")
 
-    def _mark_down(self, reason: str) -> None:
+    def mark_down(self, reason: str) -> None:
         if self._down_since is None:
             log.warning("the engine at %s is down: %s", self.url, reason)
             self._down_since = time.monotonic()
@@ -307,7 +316,7 @@ class RemoteVLLMEngine(RolloutEngine):
                 raise RuntimeError(f"{verb} {self.url}{path} answered {r.status_code}: {r.text[:500]}")
             err = f"{verb} {self.url}{path} answered {r.status_code}: {r.text[:300]}"
         if mark_down:
-            self._mark_down(err)
+            self.mark_down(err)
         raise EngineUnavailable(err)
 
 
