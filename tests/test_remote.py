@@ -128,3 +128,80 @@ def test_pool_of_two_servers_run(molt_servers, tmp_path, monkeypatch, tokenizer)
     fit(make(pool), tmp_path, steps=3, callbacks=[batches])
     check_run(records, batches, tokenizer)
     assert {e.version for e in pool.engines} == {3}
+
+
+class KillAt:
+    """After step ``step``, SIGKILL ``server`` (its whole process group) as soon as it has requests in flight (from
+    a thread: the trainer goes on, and the next groups' requests reach the server)."""
+
+    def __init__(self, server, engine, step: int = 1):
+        self.server, self.engine, self.step, self.killed_at, self.thread = server, engine, step, None, None
+
+    def on_train_batch_end(self, trainer, *args):
+        import threading
+
+        if trainer.global_step == self.step and self.thread is None:
+            self.thread = threading.Thread(target=self._kill, daemon=True)
+            self.thread.start()
+
+    def _kill(self):
+        deadline = time.monotonic() + 30
+        while self.engine._in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        self.server.kill()
+        self.killed_at = time.monotonic()
+
+
+@pytest.mark.slow
+def test_a_killed_server_fails_its_requests_and_a_restarted_one_loads_the_current_weights(
+        molt_servers, policy_path, tmp_path, monkeypatch, tokenizer):
+    import lightning as L
+    from invariant import Batches
+
+    from molt_lightning.engines import EnginePool
+
+    pool = EnginePool(urls=[s.url for s in molt_servers], health_interval_s=0.5)
+    pool.launch(policy_path)  # the test holds the pool across the run, to watch the killed server come back
+    try:
+        initial = pool.call(pool.engines[1].weight_checksums())
+        records, batches = record_routes(pool, monkeypatch), Batches()
+        kill = type("Kill", (KillAt, L.Callback), {})(molt_servers[1], pool.engines[1])
+        module = make(pool, max_failure_rate=1.0)
+        fit(module, tmp_path, steps=4, callbacks=[batches, kill])
+        kill.thread.join(30)
+        counts = module.source.counts
+        assert kill.killed_at is not None and not pool.engines[1].alive
+        assert counts["status_failed"] > 0  # the dead server's requests in flight failed their trajectories
+        assert any("EngineUnavailable" in kind for kind in module.source._failure_kinds)
+        # every trained token comes from a finished generation; requests cut by the kill finished nowhere
+        from invariant import check_trained_tokens
+
+        check_trained_tokens([(p, o) for _, _, p, o in records], batches, tokenizer)
+        served_after = [i for i, *_ in records[-20:]]
+        assert set(served_after) == {0}, "requests after the kill went to the dead server"
+
+        molt_servers[1].start()  # same port: the pool's health watch finds it and reloads it before it serves
+        molt_servers[1].wait_ready(300)
+        deadline = time.monotonic() + 60
+        while not pool.engines[1].alive and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert pool.engines[1].alive and pool.engines[1].version == pool.version == 4
+        back, live = (pool.call(e.weight_checksums()) for e in pool.engines[::-1])
+        assert back == live != initial  # the trained weights, not the ones the server started with
+    finally:
+        pool.release()
+
+
+def test_a_server_that_never_answers_fails_the_run_within_its_timeout(tmp_path):
+    """A loopback socket that accepts connections and never answers: the run fails, naming the server, in time."""
+    from molt_lightning.engines import EngineUnavailable, RemoteVLLMEngine
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        engine = RemoteVLLMEngine(url=url, connect_timeout_s=1.0)
+        t0 = time.monotonic()
+        with pytest.raises(EngineUnavailable, match="timed out") as e:
+            fit(make(engine), tmp_path, steps=1)
+        assert time.monotonic() - t0 < 20 and url in str(e.value) and "molt serve" in str(e.value)
