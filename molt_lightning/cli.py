@@ -36,8 +36,8 @@ EXAMPLES = {  # what a parser key takes, for the fix line of its errors
                          "(e.g. molt_lightning.tasks.arithmetic_env.CalculatorEnv)",
     "model.tasks": "the dotted path of a function `tasks(seed)` returning an iterator of samples "
                    "(e.g. molt_lightning.tasks.arithmetic.tasks)",
-    "model.engine": "a RolloutEngine class: molt_lightning.engines.VLLMEngine or molt_lightning.engines.TorchEngine "
-                    "(its arguments under init_args)",
+    "model.engine": "a RolloutEngine class: molt_lightning.engines.VLLMEngine, TorchEngine, RemoteVLLMEngine or "
+                    "EnginePool (its arguments under init_args)",
     "model.algo": "the fields of molt_lightning.algorithms.Algorithm (see recipes/algorithms/)",
     "trainer.callbacks": "a list of Lightning Callback classes, each a class_path and its init_args "
                          "(e.g. lightning.pytorch.callbacks.ModelCheckpoint, molt_lightning.callbacks.RolloutSamples)",
@@ -211,6 +211,7 @@ def main(args: list[str] | None = None) -> None:
                 kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
             return super().instantiate_trainer(**kwargs)
 
+    from .engines.remote import EngineUnavailable
     from .rollout import RolloutFailures, RolloutStopped
 
     failed = True
@@ -230,7 +231,7 @@ def main(args: list[str] | None = None) -> None:
     except RolloutStopped as e:  # SIGTERM while waiting for rollouts: the engine is shut down by now
         print(f"molt: {e}", file=sys.stderr)
         sys.exit(128 + 15)
-    except RolloutFailures as e:  # the failure breaker
+    except (RolloutFailures, EngineUnavailable) as e:  # the failure breaker; remote engines gone or not answering
         print(f"molt: {e}", file=sys.stderr)
         sys.exit(1)
     except DiskFull as e:  # a checkpoint did not fit; the earlier ones are intact

@@ -205,3 +205,82 @@ def test_a_server_that_never_answers_fails_the_run_within_its_timeout(tmp_path):
         with pytest.raises(EngineUnavailable, match="timed out") as e:
             fit(make(engine), tmp_path, steps=1)
         assert time.monotonic() - t0 < 20 and url in str(e.value) and "molt serve" in str(e.value)
+
+
+class FakeServer:
+    """A stand-in for `molt serve` on loopback (uvicorn in a thread): the routes the remote engine calls, with canned
+    generations (a few tokens and end-of-sequence, tagged with the version set last). ``stop`` makes it vanish."""
+
+    def __init__(self):
+        import threading
+
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        self.version = "default"
+
+        async def ok(request):
+            return JSONResponse({"success": True, "status": "ok"})
+
+        async def version(request):
+            self.version = (await request.json())["new_version"]
+            return JSONResponse({"success": True})
+
+        async def rpc(request):
+            method = (await request.json())["method"]
+            return JSONResponse({"results": [291 if method == "molt_vocab_size" else 1]})
+
+        async def generate(request):
+            ids = [16, 17, 2]
+            return JSONResponse({"choices": [{"token_ids": ids, "finish_reason": "stop",
+                                              "logprobs": {"content": [{"logprob": -1.0} for _ in ids]},
+                                              "weight_versions": [{"version": self.version, "start": 0, "end": 3}]}]})
+
+        routes = [Route(p, ok, methods=["GET", "POST"]) for p in ("/health", "/pause", "/resume", "/reset_prefix_cache")]
+        routes += [Route("/update_weight_version", version, methods=["POST"]),
+                   Route("/collective_rpc", rpc, methods=["POST"]),
+                   Route("/inference/v1/generate", generate, methods=["POST"])]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(Starlette(routes=routes), host="127.0.0.1", port=self.port,
+                                                    log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+class StopAt:
+    def __init__(self, fake, step: int):
+        self.fake, self.step = fake, step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            self.fake.stop()
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_run_whose_engines_are_all_gone_fails_within_the_down_timeout(tmp_path, pooled):
+    import lightning as L
+
+    from molt_lightning.engines import EnginePool, EngineUnavailable, RemoteVLLMEngine
+
+    fake = FakeServer()
+    try:
+        kw = dict(health_interval_s=0.2, down_timeout_s=3.0)
+        engine = EnginePool(urls=[fake.url], **kw) if pooled else RemoteVLLMEngine(url=fake.url, **kw)
+        stop = type("Stop", (StopAt, L.Callback), {})(fake, step=2)
+        t0 = time.monotonic()
+        with pytest.raises(EngineUnavailable, match="down for more than 3 s|gone") as e:
+            fit(make(engine, max_failure_rate=1.0), tmp_path, steps=50, callbacks=[stop])
+        assert time.monotonic() - t0 < 40 and fake.url in str(e.value)
+    finally:
+        fake.stop()

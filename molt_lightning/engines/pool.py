@@ -153,8 +153,8 @@ class EnginePool(RolloutEngine):
             for e in self.engines:
                 if e not in live and isinstance(e, RemoteVLLMEngine):
                     e.adopt_staged(version)  # loads it before it serves again
-        if not live:
-            raise EngineUnavailable(f"no engine of the pool took version {version}: all are down")
+        if not live:  # as a single engine does: the version waits for an engine to return; ``check`` bounds the wait
+            log.warning("no engine of the pool is up to take version %d: the first one back loads it", version)
 
     async def _each(self, engines: list[RolloutEngine], step, version: int) -> list[RolloutEngine]:
         """Run ``step`` on every engine at once; those that fail with ``EngineUnavailable`` drop out (marked down)."""
