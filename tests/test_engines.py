@@ -36,14 +36,22 @@ def weights(policy_path):
     return load_file(f"{policy_path}/model.safetensors")
 
 
-VLLM_ENGINES = ["vllm", "remote", "remote-http"]
+VLLM_ENGINES = ["vllm", "remote", "remote-http", "pool"]
 
 
 @pytest.fixture
-def served_engine(request):
-    """Each vLLM-backed engine in turn (the remote one on a ``molt serve`` server of the session)."""
+def served_engine(request, policy_path):
+    """Each vLLM-backed engine in turn (the remote ones on the session's ``molt serve`` servers; the pool over both
+    of them lives for one test, so that no other test's pool reloads a server it shares)."""
     if request.param == "vllm":
         return request.getfixturevalue("vllm_engine")
+    if request.param == "pool":
+        from molt_lightning.engines import EnginePool
+
+        pool = EnginePool(urls=[s.url for s in request.getfixturevalue("molt_servers")])
+        pool.launch(policy_path)
+        request.addfinalizer(pool.release)
+        return pool
     engine = request.getfixturevalue("remote_engine")
     channel, engine.channel = engine.channel, "http" if request.param == "remote-http" else "shm"
     request.addfinalizer(lambda: setattr(engine, "channel", channel))
@@ -152,8 +160,20 @@ def test_torch_engine_in_flight_update(torch_engine, prompts, weights, hf_model)
     _in_flight_update(torch_engine, prompts, weights, hf_model)
 
 
+def test_pool_of_torch_engines_in_flight_update(policy_path, prompts, weights, hf_model):
+    from molt_lightning.engines import EnginePool
+
+    pool = EnginePool(engines=[TorchEngine(seed=0), TorchEngine(seed=1)])
+    pool.launch(policy_path)
+    try:
+        _in_flight_update(pool, prompts, weights, hf_model)
+        assert all(n > 0 for n in pool.routed.values()) and len(pool.routed) == 2
+    finally:
+        pool.release()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("served_engine", VLLM_ENGINES[:2], indirect=True)
+@pytest.mark.parametrize("served_engine", ["vllm", "remote", "pool"], indirect=True)
 def test_vllm_engine_in_flight_update(served_engine, prompts, weights, hf_model):
     _in_flight_update(served_engine, prompts, weights, hf_model)
 
