@@ -41,7 +41,7 @@ def vllm_engine(policy_path):
 
 @pytest.fixture(scope="session")
 def molt_servers(policy_path):
-    """Two vLLM servers (``molt_lightning.serve.LocalServer``, loopback, one core each), stopped at the session's end."""
+    """Two vLLM servers (``molt_lightning.serve.LocalServer``, loopback, a core each), stopped at the session's end."""
     pytest.importorskip("vllm")
     from molt_lightning.serve import LocalServer
 

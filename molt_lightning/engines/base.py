@@ -41,7 +41,7 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # keep sampling past end-of-sequence (benchmarks, tests)
     seed: int | None = None  # this request's own random stream (None: the engine's shared one)
-    route_key: str | None = None  # the trajectory it belongs to: a pool sends all of one trajectory's turns to one engine
+    route_key: str | None = None  # its trajectory: a pool sends all of one trajectory's turns to one engine
 
 
 class RolloutEngine(ABC):

@@ -50,7 +50,8 @@ class MoltWorkerExtension:
         paths = []
         try:
             for blob in blobs:  # to a file: safe_open then reads one tensor at a time, as from the shm channel
-                fd, path = tempfile.mkstemp(suffix=".safetensors", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+                shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+                fd, path = tempfile.mkstemp(suffix=".safetensors", dir=shm)
                 with os.fdopen(fd, "wb") as f:
                     f.write(base64.b64decode(blob))
                 paths.append(path)
