@@ -6,7 +6,8 @@ Every Trainer flag works (``--trainer.max_steps 3``); ``--trainer.strategy`` is 
 own or ``--trainer.enable_progress_bar false``; a summary closes the run (``RunSummary``). On a terminal (or with
 ``MOLT_QUIET=1``) that is all the terminal shows: everything else goes to ``molt.log`` in the run folder
 (``callbacks.runlog``). Checkpoints are written atomically, a full disk named
-(``callbacks.checkpoint.AtomicCheckpointIO``), unless the recipe brings its own ``CheckpointIO``.
+(``callbacks.checkpoint.AtomicCheckpointIO``), unless the recipe brings its own ``CheckpointIO``. ``molt serve``
+starts a vLLM server for ``RemoteVLLMEngine``/``EnginePool`` (``molt_lightning.serve``).
 
 A bad recipe is answered before anything starts, with the problem and its fix and no traceback: jsonargparse's
 parse errors (YAML syntax, unknown keys, wrong types, dotted paths that do not import or are the wrong kind of
@@ -35,8 +36,8 @@ EXAMPLES = {  # what a parser key takes, for the fix line of its errors
                          "(e.g. molt_lightning.tasks.arithmetic_env.CalculatorEnv)",
     "model.tasks": "the dotted path of a function `tasks(seed)` returning an iterator of samples "
                    "(e.g. molt_lightning.tasks.arithmetic.tasks)",
-    "model.engine": "a RolloutEngine class: molt_lightning.engines.VLLMEngine or molt_lightning.engines.TorchEngine "
-                    "(its arguments under init_args)",
+    "model.engine": "a RolloutEngine class: molt_lightning.engines.VLLMEngine, TorchEngine, RemoteVLLMEngine or "
+                    "EnginePool (its arguments under init_args)",
     "model.algo": "the fields of molt_lightning.algorithms.Algorithm (see recipes/algorithms/)",
     "trainer.callbacks": "a list of Lightning Callback classes, each a class_path and its init_args "
                          "(e.g. lightning.pytorch.callbacks.ModelCheckpoint, molt_lightning.callbacks.RolloutSamples)",
@@ -148,6 +149,11 @@ def _name(fn) -> str:
 
 
 def main(args: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["serve"]:  # `molt serve`: a vLLM server for the remote engine (molt_lightning.serve)
+        from .serve import main as serve
+
+        return serve(argv[1:])
     from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.cli import LightningCLI
@@ -209,6 +215,7 @@ def main(args: list[str] | None = None) -> None:
                 kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
             return super().instantiate_trainer(**kwargs)
 
+    from .engines.remote import EngineUnavailable
     from .rollout import RolloutFailures, RolloutStopped
 
     failed = True
@@ -228,7 +235,7 @@ def main(args: list[str] | None = None) -> None:
     except RolloutStopped as e:  # SIGTERM while waiting for rollouts: the engine is shut down by now
         print(f"molt: {e}", file=sys.stderr)
         sys.exit(128 + 15)
-    except RolloutFailures as e:  # the failure breaker
+    except (RolloutFailures, EngineUnavailable) as e:  # the failure breaker; remote engines gone or not answering
         print(f"molt: {e}", file=sys.stderr)
         sys.exit(1)
     except DiskFull as e:  # a checkpoint did not fit; the earlier ones are intact

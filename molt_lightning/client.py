@@ -102,8 +102,9 @@ class AgentClient:
             )
         seed = None if self.seed is None else self.seed + self._requests
         self._requests += 1
+        t = self.trajectory  # route_key: an engine pool sends every turn of this trajectory to one engine
         out = await self.engine.generate(prompt, Sampling(max_tokens=max_tokens, temperature=self.temperature,
-                                                          seed=seed))
+                                                          seed=seed, route_key=f"{t.group_id}/{t.info.get('index')}"))
         if out.token_ids:
             self.trajectory.segments[-1].append(Span.policy(out.token_ids, out.logprobs, out.versions))
         place_routing(self.trajectory.segments[-1], out.routing)  # MoE: each position keeps its first record

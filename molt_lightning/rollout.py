@@ -216,6 +216,7 @@ class RolloutSource:
                     raise self._error
                 if self._error is not None:
                     raise RuntimeError("the rollout producer died") from self._error
+                self.engine.check()  # an engine gone for good (a remote server down too long) fails the wait
                 if self.should_stop():
                     raise RolloutStopped(f"stopped while waiting for rollouts ({len(self._ready)} of {self.P} groups "
                                          "ready); to resume, run the same command with --ckpt_path last (the "

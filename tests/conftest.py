@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded tiny policy (built once per machine), and one real vLLM engine per test session."""
+"""Shared fixtures: the embedded tiny policy (built once per machine), one real vLLM engine per test session, and two
+``molt serve`` servers on loopback (started together on first use) with a remote engine on the first."""
 
 from __future__ import annotations
 
@@ -33,6 +34,35 @@ def vllm_engine(policy_path):
     from molt_lightning.engines import VLLMEngine
 
     engine = VLLMEngine(seed=0)
+    engine.launch(policy_path)
+    yield engine
+    engine.release()
+
+
+@pytest.fixture(scope="session")
+def molt_servers(policy_path):
+    """Two vLLM servers (``molt_lightning.serve.LocalServer``, loopback, a core each), stopped at the session's end."""
+    pytest.importorskip("vllm")
+    from molt_lightning.serve import LocalServer
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    servers = []
+    try:
+        servers = [LocalServer(policy_path, cpu_threads=str(i % cores)) for i in range(2)]
+        for server in servers:
+            server.wait_ready(300)
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def remote_engine(molt_servers, policy_path):
+    """A ``RemoteVLLMEngine`` on the first session server (weights over the shared-memory channel)."""
+    from molt_lightning.engines import RemoteVLLMEngine
+
+    engine = RemoteVLLMEngine(url=molt_servers[0].url)
     engine.launch(policy_path)
     yield engine
     engine.release()

@@ -1,4 +1,6 @@
-"""Engines agree with each other and with a teacher-forced recomputation, before and after weight updates."""
+"""Engines agree with each other and with a teacher-forced recomputation, before and after weight updates. The
+vLLM-backed checks run for every vLLM engine: in-process, a remote server with weights over shared memory, and the
+same server with weights in the HTTP body."""
 
 import asyncio
 
@@ -32,6 +34,28 @@ def prompts(tokenizer):
 @pytest.fixture(scope="module")
 def weights(policy_path):
     return load_file(f"{policy_path}/model.safetensors")
+
+
+VLLM_ENGINES = ["vllm", "remote", "remote-http", "pool"]
+
+
+@pytest.fixture
+def served_engine(request, policy_path):
+    """Each vLLM-backed engine in turn (the remote ones on the session's ``molt serve`` servers; the pool over both
+    of them lives for one test, so that no other test's pool reloads a server it shares)."""
+    if request.param == "vllm":
+        return request.getfixturevalue("vllm_engine")
+    if request.param == "pool":
+        from molt_lightning.engines import EnginePool
+
+        pool = EnginePool(urls=[s.url for s in request.getfixturevalue("molt_servers")])
+        pool.launch(policy_path)
+        request.addfinalizer(pool.release)
+        return pool
+    engine = request.getfixturevalue("remote_engine")
+    channel, engine.channel = engine.channel, "http" if request.param == "remote-http" else "shm"
+    request.addfinalizer(lambda: setattr(engine, "channel", channel))
+    return engine
 
 
 def generate_all(engine, prompts, sampling):
@@ -73,7 +97,9 @@ def test_torch_engine_matches_teacher_forcing_when_sampling(torch_engine, prompt
 
 
 @pytest.mark.slow
-def test_vllm_and_torch_engines_agree_before_and_after_update(vllm_engine, torch_engine, prompts, weights):
+@pytest.mark.parametrize("served_engine", VLLM_ENGINES, indirect=True)
+def test_vllm_engines_and_torch_engine_agree_before_and_after_update(served_engine, torch_engine, prompts, weights):
+    vllm_engine = served_engine
     greedy = Sampling(max_tokens=16, temperature=0.0)
     results = []
     for version, state in [(0, weights), (1, perturbed(weights, 0.3, seed=1))]:
@@ -91,7 +117,9 @@ def test_vllm_and_torch_engines_agree_before_and_after_update(vllm_engine, torch
 
 
 @pytest.mark.slow
-def test_vllm_sampled_logprobs_are_the_processed_ones(vllm_engine, prompts, weights, hf_model):
+@pytest.mark.parametrize("served_engine", VLLM_ENGINES[:2], indirect=True)
+def test_vllm_sampled_logprobs_are_the_processed_ones(served_engine, prompts, weights, hf_model):
+    vllm_engine = served_engine
     vllm_engine.call(vllm_engine.update_weights(weights, 0))
     outs = generate_all(vllm_engine, prompts, Sampling(max_tokens=12, temperature=0.7))
     for p, o in zip(prompts, outs):
@@ -132,9 +160,22 @@ def test_torch_engine_in_flight_update(torch_engine, prompts, weights, hf_model)
     _in_flight_update(torch_engine, prompts, weights, hf_model)
 
 
+def test_pool_of_torch_engines_in_flight_update(policy_path, prompts, weights, hf_model):
+    from molt_lightning.engines import EnginePool
+
+    pool = EnginePool(engines=[TorchEngine(seed=0), TorchEngine(seed=1)])
+    pool.launch(policy_path)
+    try:
+        _in_flight_update(pool, prompts, weights, hf_model)
+        assert all(n > 0 for n in pool.routed.values()) and len(pool.routed) == 2
+    finally:
+        pool.release()
+
+
 @pytest.mark.slow
-def test_vllm_engine_in_flight_update(vllm_engine, prompts, weights, hf_model):
-    _in_flight_update(vllm_engine, prompts, weights, hf_model)
+@pytest.mark.parametrize("served_engine", ["vllm", "remote", "pool"], indirect=True)
+def test_vllm_engine_in_flight_update(served_engine, prompts, weights, hf_model):
+    _in_flight_update(served_engine, prompts, weights, hf_model)
 
 
 def _stage_copies(engine, prompts, weights, hf_model):
@@ -196,9 +237,10 @@ def test_torch_engine_pause_keeps_requests(torch_engine, prompts):
 
 
 @pytest.mark.slow
-def test_vllm_engine_pause_keeps_requests(vllm_engine, prompts, weights):
-    vllm_engine.call(vllm_engine.update_weights(weights, 0))
-    _pause_resume(vllm_engine, prompts)
+@pytest.mark.parametrize("served_engine", VLLM_ENGINES[:2], indirect=True)
+def test_vllm_engine_pause_keeps_requests(served_engine, prompts, weights):
+    served_engine.call(served_engine.update_weights(weights, 0))
+    _pause_resume(served_engine, prompts)
 
 
 def test_torch_engine_sampler_draws_from_the_distribution():

@@ -50,6 +50,7 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # keep sampling past end-of-sequence (benchmarks, tests)
     seed: int | None = None  # this request's own random stream (None: the engine's shared one)
+    route_key: str | None = None  # its trajectory: a pool sends all of one trajectory's turns to one engine
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,9 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     async def resume(self) -> None: ...
+
+    def check(self) -> None:
+        """Raise if the engine can no longer serve (remote engines: down too long); called while the trainer waits."""
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
         if not prompt_ids:

