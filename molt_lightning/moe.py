@@ -127,7 +127,8 @@ def _route(router: nn.Module, hidden: torch.Tensor, replayed: torch.Tensor | Non
 @contextmanager
 def routed(lm: nn.Module, record: torch.Tensor | None, replay: bool):
     """Run the block's forward of ``lm`` through ``_route``; with ``replay``, use ``record`` (N, T, layers, k), the
-    engine's choices for the forward's (N, T) tokens. Yields the ``RouterRecord``; a dense ``lm`` yields an empty one."""
+    engine's choices for the forward's (N, T) tokens. Yields the ``RouterRecord``; a dense ``lm`` yields an empty
+    one."""
     mods, out = routers(lm), RouterRecord()
     if record is not None and replay and record.shape[2] != len(mods):
         raise ValueError(f"the routing record has {record.shape[2]} layers, the policy {len(mods)} routers: the "

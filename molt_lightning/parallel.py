@@ -35,7 +35,8 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Sin
 STRATEGIES = ("auto", "ddp", "fsdp2", "fsdp2_ep")  # the names --trainer.strategy takes
 SUPPORTED = "auto (one process), ddp, fsdp2, fsdp2_ep (mixture-of-experts: experts split over the ranks)"
 LORA_UNDER_FSDP2 = ("model.lora with --trainer.strategy fsdp2 or fsdp2_ep is not supported yet (the adapter's sync "
-                    "and peft's frozen base are not wired through fully_shard): use --trainer.strategy ddp, or one process, or "
+                    "and peft's frozen base are not wired through fully_shard): use --trainer.strategy ddp, or one "
+                    "process, or "
                     "drop model.lora for full fine-tuning under fsdp2")
 
 

@@ -58,12 +58,13 @@ class Policy(nn.Module):
         if routing not in ROUTING_MODES:
             raise ValueError(f"model.routing must be one of {ROUTING_MODES}, got {routing!r}")
         if routing == "replay" and not moe.routers(lm):
-            raise ValueError(f"model.routing=replay replays the experts a mixture-of-experts policy's engine chose, but "
-                             f"{type(lm).__name__} is dense (no router modules): use model.routing: free, or an MoE "
-                             f"policy (e.g. molt_lightning.models.tiny.moe_policy)")
-        if routing == "replay" and getattr(lm, "is_gradient_checkpointing", False):
-            raise NotImplementedError("model.routing=replay with activation_checkpointing: the backward pass's recompute "
-                                      "would route freely (the replay hook wraps the forward only); set "
+            raise ValueError(f"model.routing=replay replays the experts a mixture-of-experts policy's engine chose, "
+                             f"but {type(lm).__name__} is dense (no router modules): use model.routing: free, or an "
+                             f"MoE policy (e.g. molt_lightning.models.tiny.moe_policy)")
+        if moe.routers(lm) and getattr(lm, "is_gradient_checkpointing", False):
+            raise NotImplementedError("a mixture-of-experts policy with activation_checkpointing: the backward pass's "
+                                      "recompute would run the routers outside the routing hook (moe.routed wraps the "
+                                      "forward only: replayed experts and router records would differ); set "
                                       "model.activation_checkpointing: false")
         self.replay, self.router_aux_coef = routing == "replay", router_aux_coef
         for attr in ("final_logit_softcapping", "logit_scale"):

@@ -180,7 +180,8 @@ def test_vllm_engine_in_flight_update(served_engine, prompts, weights, hf_model)
 
 def _stage_copies(engine, prompts, weights, hf_model):
     """A staged bucket is the engine's from then on: the trainer's next optimizer step may change its tensors in place
-    while the engine still loads them (``commit_weights`` returns at once), and the engine must serve what was staged."""
+    while the engine still loads them (``commit_weights`` returns at once), and the engine must serve what was
+    staged."""
     staged = perturbed(weights, 0.05, seed=3)
     live = {k: v.clone() for k, v in staged.items()}  # the trainer's parameters
     engine.call(engine.stage_weights(live))

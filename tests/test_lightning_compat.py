@@ -1,4 +1,5 @@
-"""``lightning_compat``: the short-cut in ``_ResultMetric.to`` changes no logged value, and still moves what must move."""
+"""``lightning_compat``: the short-cut in ``_ResultMetric.to`` changes no logged value and still moves what must
+move."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def _run(tmp_path, name):
     trainer = L.Trainer(max_epochs=2, logger=CSVLogger(tmp_path, name=name), log_every_n_steps=1,
                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
     trainer.fit(_Logs())
-    return {k: float(v) for k, v in trainer.callback_metrics.items()}, pd.read_csv(f"{trainer.logger.log_dir}/metrics.csv")
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return metrics, pd.read_csv(f"{trainer.logger.log_dir}/metrics.csv")
 
 
 def test_logged_metrics_are_the_same_with_and_without_the_patch(tmp_path):
@@ -58,7 +60,8 @@ def test_only_a_move_to_the_current_device_is_skipped(monkeypatch):
     meta = _Metadata(fx="training_step", name="x", on_step=True, on_epoch=True)
     metric = _ResultMetric(meta, is_tensor=True)
     calls, original = [], lightning_compat._original_to
-    monkeypatch.setattr(lightning_compat, "_original_to", lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
+    monkeypatch.setattr(lightning_compat, "_original_to",
+                        lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
     assert metric.to("cpu") is metric and metric.to(torch.device("cpu")) is metric and not calls
     metric.to(torch.float64)  # a dtype is never skipped
     metric.to("meta")  # nor another device: Lightning moves it

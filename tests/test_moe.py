@@ -135,7 +135,8 @@ def test_replay_matches_the_engines_logprobs_where_free_routing_does_not(moe_pat
     is a's); the trainer holds the same policy with b's row scaled by 1 + 1e-6. On this CPU, batched/padded and
     incremental numerics alone rarely flip a tie reproducibly, so the disagreement is forced deterministically:
     wherever a and b compete for the last top-k slot, the trainer's free router picks b where a's logit is positive
-    and a where it is negative, the engine whichever its exact tie gave. Free routing then runs other experts on those positions
+    and a where it is negative, the engine whichever its exact tie gave. Free routing then runs other experts on
+    those positions
     (logprobs off by far more than 1e-4); replaying the engine's experts gives the engine's logprobs (1e-4), because
     the combine weights, live softmax of the trainer's logits, move by ~1e-6 only."""
     from transformers import AutoModelForCausalLM
@@ -203,8 +204,9 @@ def test_replay_on_a_dense_policy_or_an_engine_without_capture_is_a_clear_error(
     sparse = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=16, moe_intermediate_size=8, num_experts=4,
                                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
     sparse.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    with pytest.raises(NotImplementedError, match="activation_checkpointing: false"):
-        Policy(sparse, routing="replay")
+    for routing in ("replay", "free"):  # free too: the recompute would skip the hook's records (CheckpointError)
+        with pytest.raises(NotImplementedError, match="activation_checkpointing: false"):
+            Policy(sparse, routing=routing)
     with pytest.raises(ValueError, match="VLLMEngine does not.*TorchEngine or VLLMEngine.capture_routing=True"):
         AsyncRLModule(engine=VLLMEngine(), routing="replay")
 

@@ -5,7 +5,6 @@ goes to loopback."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import sys
 import time
@@ -238,7 +237,8 @@ class FakeServer:
                                               "logprobs": {"content": [{"logprob": -1.0} for _ in ids]},
                                               "weight_versions": [{"version": self.version, "start": 0, "end": 3}]}]})
 
-        routes = [Route(p, ok, methods=["GET", "POST"]) for p in ("/health", "/pause", "/resume", "/reset_prefix_cache")]
+        paths = ("/health", "/pause", "/resume", "/reset_prefix_cache")
+        routes = [Route(p, ok, methods=["GET", "POST"]) for p in paths]
         routes += [Route("/update_weight_version", version, methods=["POST"]),
                    Route("/collective_rpc", rpc, methods=["POST"]),
                    Route("/inference/v1/generate", generate, methods=["POST"])]

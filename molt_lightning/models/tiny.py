@@ -294,7 +294,8 @@ def build(out: Path, spec: dict) -> None:
     (out / "molt_spec.json").write_text(json.dumps(spec, indent=1))
 
 
-if __name__ == "__main__":  # rebuild shipped policies: python -m molt_lightning.models.tiny [arithmetic python_tool moe]
+# rebuild shipped policies: python -m molt_lightning.models.tiny [arithmetic python_tool moe]
+if __name__ == "__main__":
     import sys
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
