@@ -136,8 +136,8 @@ def test_replay_matches_the_engines_logprobs_where_free_routing_does_not(moe_pat
     incremental numerics alone rarely flip a tie reproducibly, so the disagreement is forced deterministically:
     wherever a and b compete for the last top-k slot, the trainer's free router picks b where a's logit is positive
     and a where it is negative, the engine whichever its exact tie gave. Free routing then runs other experts on
-    those positions (logprobs off by far more than 1e-4); replaying the engine's experts gives the engine's logprobs (1e-4), because
-    the combine weights, live softmax of the trainer's logits, move by ~1e-6 only."""
+    those positions (logprobs off by far more than 1e-4); replaying the engine's experts gives the engine's logprobs
+    (1e-4), because the combine weights, live softmax of the trainer's logits, move by ~1e-6 only."""
     from transformers import AutoModelForCausalLM
 
     engine = TorchEngine(seed=0)
