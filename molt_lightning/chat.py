@@ -53,6 +53,11 @@ class ChatTemplate:
         self.generation_prompt = self.render(user, add_generation_prompt=True)[len(self.render(user)):]
 
     @property
+    def image_token_id(self) -> int | None:
+        """The image placeholder token of a vision-language policy's processor; None for a text policy."""
+        return None if self.processor is None else self.processor.image_token_id
+
+    @property
     def handles_tools(self) -> bool:
         """Whether the template renders ``tools`` and the tokenizer can parse tool calls back out of a reply."""
         return "tools" in str(self.tokenizer.chat_template) and self.response_template is not None

@@ -11,7 +11,10 @@ it carries.
 
 Images (vision-language policies): messages may hold image content parts; ``chat_turn`` gets their expanded token
 ids and pixel values from the template (the policy's processor), puts the pixel values on the context span that holds
-their image tokens (``Span.images``), and sends the engine every image of the segment with its prompt.
+their image tokens (``Span.images``), and sends the engine every image of the segment with its prompt. A reply in
+which the policy sampled the image placeholder token itself cannot be trained on (the trainer's forward would read
+it as an image the engine never saw): the client raises ``GeneratedImagePlaceholder`` and the trajectory fails,
+counted like any agent failure.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ class AgentResult:
 
 class ContextOverflow(RuntimeError):
     pass
+
+
+class GeneratedImagePlaceholder(RuntimeError):
+    """The policy sampled a vision-language policy's image placeholder token."""
 
 
 class AgentClient:
@@ -113,6 +120,11 @@ class AgentClient:
         out = await self.engine.generate(prompt, sampling, images=segment_images(self.trajectory.segments[-1]))
         if out.token_ids:
             self.trajectory.segments[-1].append(Span.policy(out.token_ids, out.logprobs, out.versions))
+        placeholder = None if self.template is None else self.template.image_token_id
+        if placeholder is not None and placeholder in out.token_ids:
+            raise GeneratedImagePlaceholder(
+                f"the policy generated the image placeholder token (id {placeholder}): the trainer's forward would "
+                "read it as an image, so this trajectory is not trained on")
         place_routing(self.trajectory.segments[-1], out.routing)  # MoE: each position keeps its first record
         if out.finish_reason == "length" and self.trajectory.status == Status.OK:
             self.trajectory.status = Status.TRUNCATED

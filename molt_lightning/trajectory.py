@@ -170,6 +170,7 @@ def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None
                 continue  # a segment with nothing generated carries no signal
             if mask[0]:
                 raise ConsistencyError(f"sample {traj.sample_id}: a segment starts with a policy token (no prompt)")
+            _check_row_images(ids, segment_images(seg), traj.sample_id)
             rows.append((ids, mask, lps, vers, traj.reward, traj.group_id, t_idx, seg))
     if not rows:
         raise ConsistencyError("no trainable tokens in this batch")
@@ -216,6 +217,14 @@ def _check_images(span: Span, sample_id: int) -> None:
     if span.kind == Kind.POLICY or found != len(img) * img.tokens_per_image:
         raise ConsistencyError(f"sample {sample_id}: a {span.kind.value} span holds {found} image tokens for "
                                f"{len(img)} images of {img.tokens_per_image} tokens each")
+
+
+def _check_row_images(ids: list[int], images: ImageInputs | None, sample_id: int) -> None:
+    """A row's image tokens are its images' and nothing else (e.g. not a placeholder the policy generated)."""
+    if images is not None and ids.count(images.token_id) != len(images) * images.tokens_per_image:
+        raise ConsistencyError(f"sample {sample_id}: the row holds {ids.count(images.token_id)} image tokens for "
+                               f"{len(images)} images of {images.tokens_per_image}: a policy or template token is "
+                               "the image placeholder (the client fails such trajectories)")
 
 
 def _check_policy_span(span: Span, sample_id: int, max_version: int | None) -> None:
