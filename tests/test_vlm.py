@@ -146,18 +146,18 @@ def test_in_flight_update_recomputes_the_context_with_its_images(engine, templat
     gen = torch.Generator().manual_seed(3)
     w1 = {k: v + 0.3 * v.std().nan_to_num() * torch.randn(v.shape, generator=gen) for k, v in w0.items()}
     inputs = [template.prompt_inputs(shapes.messages(x)) for x in samples(3, seed=2)]
-    long = Sampling(max_tokens=100, temperature=1.0, ignore_eos=True)
+    long = Sampling(max_tokens=200, temperature=1.0, ignore_eos=True)  # 29 + 200 tokens: within the 256 context
 
-    async def scenario():
+    async def scenario(wait: float):
         tasks = [asyncio.ensure_future(engine.generate(ids, long, images=im)) for ids, im in inputs]
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(wait)
         await engine.update_weights(w1, 11)
         return await asyncio.gather(*tasks)
 
     try:
-        for _attempt in range(3):  # the update must land mid-generation; retry if the machine was too fast or slow
+        for wait in (0.1, 0.03, 0.3, 0.01, 1.0):  # the update must land mid-generation: retry if too early or late
             engine.call(engine.update_weights(w0, 10))
-            outs = engine.call(scenario())
+            outs = engine.call(scenario(wait))
             if any(set(o.versions) == {10, 11} for o in outs):
                 break
     finally:
