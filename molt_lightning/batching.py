@@ -92,12 +92,14 @@ def padding_frac(batch: Batch, minis: list[MiniBatch]) -> float:
 
 
 def rows_of(batch: Batch, rows: list[int]) -> Batch:
-    """The sub-batch of ``rows``, cut to its longest row (less padding); trajectories stay the batch's."""
+    """The sub-batch of ``rows``, cut to its longest row (less padding), with those rows' images (a VLM's); the
+    trajectories stay the batch's."""
     idx = torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)
     width = int(batch.attention_mask[idx].sum(-1).max())
     cut = {k: v[idx][:, :width] if v.dim() >= 2 else v[idx]  # per-token fields: (N, T, ...)
            for k, v in vars(batch).items() if isinstance(v, torch.Tensor)}
-    return Batch(**{**vars(batch), **cut})
+    images = None if batch.images is None else batch.images.select(rows)  # the rows' images, in their order
+    return Batch(**{**vars(batch), **cut, "images": images})
 
 
 class StepMetrics:

@@ -11,13 +11,21 @@ Tools: ``tools`` (OpenAI/Hugging Face function schemas) are rendered by the poli
 tool calls are parsed by the tokenizer's own ``response_template`` (transformers' ``parse_response``), so the
 tool-call syntax is the policy's, written down once in its tokenizer config.
 
-Uses ``transformers``' ``apply_chat_template`` and ``parse_response``; the delta arithmetic is ours (no library
-offers it).
+Images (vision-language policies): a message's content may be a list of parts, ``{"type": "image", "image":
+PIL.Image}`` among ``{"type": "text", ...}``; the template renders each image as its placeholder once, and the
+policy's processor (``processor``, e.g. ``LlavaProcessor``) expands it into the image tokens and makes the pixel
+values (``vision.encode``). ``prompt_inputs`` and ``delta_inputs`` return both; a delta holds the new messages'
+images only (the earlier ones are already in the segment's tokens and spans).
+
+Uses ``transformers``' ``apply_chat_template``, ``parse_response`` and the policy's processor; the delta arithmetic
+is ours (no library offers it).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from .vision import ImageInputs, encode, images_in
 
 Message = dict[str, Any]
 _PROBE = "\x00molt-probe\x00"
@@ -26,13 +34,13 @@ _PROBE = "\x00molt-probe\x00"
 class ChatTemplate:
     """Wraps a tokenizer's chat template for incremental, token-exact rendering."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, processor=None):
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(
                 "the tokenizer has no chat_template: `client.chat` needs one. Set `tokenizer.chat_template` "
                 "(a Jinja string) or use `client.generate` with your own token ids."
             )
-        self.tokenizer = tokenizer
+        self.tokenizer, self.processor = tokenizer, processor  # processor: a VLM's (expands images), else None
         self.eos_id: int = tokenizer.eos_token_id
         self.eos_text = tokenizer.decode([self.eos_id])
         # the Rust tokenizer behind a fast tokenizer: the same ids as tokenizer(text) at a fraction of the Python cost
@@ -43,6 +51,11 @@ class ChatTemplate:
         self.turn_suffix = probe.split(_PROBE, 1)[1]
         user = [{"role": "user", "content": "u"}]  # what the template writes to open an assistant turn
         self.generation_prompt = self.render(user, add_generation_prompt=True)[len(self.render(user)):]
+
+    @property
+    def image_token_id(self) -> int | None:
+        """The image placeholder token of a vision-language policy's processor; None for a text policy."""
+        return None if self.processor is None else self.processor.image_token_id
 
     @property
     def handles_tools(self) -> bool:
@@ -65,9 +78,25 @@ class ChatTemplate:
             return self._rust.encode(text, add_special_tokens=False).ids
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def encode_with_images(self, text: str, images: list) -> tuple[list[int], ImageInputs | None]:
+        """``encode``, with ``images`` (PIL) expanded at their placeholders by the processor."""
+        if not images:
+            return self.encode(text), None
+        if self.processor is None:
+            raise ValueError("the messages hold images but the policy has no image processor: use a vision-language "
+                             "policy folder whose processor loads with AutoProcessor (e.g. "
+                             "molt_lightning.models.tiny_vlm.shapes_policy)")
+        return encode(self.processor, text, images)
+
+    def prompt_inputs(self, messages: list[Message], tools: list | None = None
+                      ) -> tuple[list[int], ImageInputs | None]:
+        """The first prompt of a segment (the whole conversation plus the generation prompt) and its images."""
+        return self.encode_with_images(self.render(messages, add_generation_prompt=True, tools=tools),
+                                       images_in(messages))
+
     def prompt_ids(self, messages: list[Message], tools: list | None = None) -> list[int]:
-        """The first prompt of a segment: the whole conversation plus the generation prompt."""
-        return self.encode(self.render(messages, add_generation_prompt=True, tools=tools))
+        """``prompt_inputs`` for text-only messages."""
+        return _text_only(self.prompt_inputs(messages, tools))
 
     def close_turn_ids(self, generated: list[int]) -> list[int]:
         """Template text after a generated assistant turn that the policy did not produce itself."""
@@ -75,13 +104,20 @@ class ChatTemplate:
             return self.encode(self.turn_suffix[len(self.eos_text):])
         return self.encode(self.turn_suffix)  # truncated turn: the template closes it
 
-    def delta_ids(self, previous: list[Message], new: list[Message], tools: list | None = None) -> list[int] | None:
-        """Tokens for ``new`` messages plus the generation prompt, or ``None`` if the prefix does not render stably."""
+    def delta_inputs(self, previous: list[Message], new: list[Message], tools: list | None = None
+                     ) -> tuple[list[int], ImageInputs | None] | None:
+        """Tokens for ``new`` messages plus the generation prompt and the new messages' images, or ``None`` if the
+        prefix does not render stably."""
         before = self.render(previous, tools=tools)
         after = self.render(previous + new, add_generation_prompt=True, tools=tools)
         if not after.startswith(before):
             return None
-        return self.encode(after[len(before):])
+        return self.encode_with_images(after[len(before):], images_in(new))
+
+    def delta_ids(self, previous: list[Message], new: list[Message], tools: list | None = None) -> list[int] | None:
+        """``delta_inputs`` for text-only messages."""
+        delta = self.delta_inputs(previous, new, tools)
+        return None if delta is None else _text_only(delta)
 
     def decode_reply(self, generated: list[int]) -> str:
         """The assistant message text of a generated turn (without the end-of-turn token)."""
@@ -108,3 +144,11 @@ class ChatTemplate:
                 for c in calls
             ]
         return message
+
+
+def _text_only(inputs: tuple[list[int], ImageInputs | None]) -> list[int]:
+    ids, images = inputs
+    if images is not None:
+        raise ValueError("these messages hold images: use prompt_inputs / delta_inputs, which return their pixel "
+                         "values too")
+    return ids

@@ -8,6 +8,13 @@ policy token into the record that the engine did not return.
 Agents written against the stock OpenAI client use ``client.base_url`` and ``client.api_key`` instead: the run's
 loopback endpoint (``molt_lightning.endpoint``) serves each request through ``chat_turn`` of the client whose key
 it carries.
+
+Images (vision-language policies): messages may hold image content parts; ``chat_turn`` gets their expanded token
+ids and pixel values from the template (the policy's processor), puts the pixel values on the context span that holds
+their image tokens (``Span.images``), and sends the engine every image of the segment with its prompt. A reply in
+which the policy sampled the image placeholder token itself cannot be trained on (the trainer's forward would read
+it as an image the engine never saw): the client raises ``GeneratedImagePlaceholder`` and the trajectory fails,
+counted like any agent failure.
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ from typing import Any
 
 from .chat import ChatTemplate, Message
 from .engines.base import Generation, RolloutEngine, Sampling
-from .trajectory import Kind, Span, Status, Trajectory, place_routing
+from .trajectory import Kind, Span, Status, Trajectory, place_routing, segment_images
+from .vision import ImageInputs
 
 
 @dataclass
@@ -32,6 +40,10 @@ class AgentResult:
 
 class ContextOverflow(RuntimeError):
     pass
+
+
+class GeneratedImagePlaceholder(RuntimeError):
+    """The policy sampled a vision-language policy's image placeholder token."""
 
 
 class AgentClient:
@@ -62,11 +74,12 @@ class AgentClient:
             self.trajectory.segments.append([])
         self._messages, self._last_gen = None, []
 
-    def add_context(self, token_ids: list[int]) -> None:
-        """Append prompt (at a segment's start) or environment tokens: context the policy did not generate."""
+    def add_context(self, token_ids: list[int], images: ImageInputs | None = None) -> None:
+        """Append prompt (at a segment's start) or environment tokens: context the policy did not generate (with the
+        pixel values of the images whose image tokens it holds, for a VLM)."""
         if token_ids:
             kind = Kind.ENV if self.trajectory.segments[-1] else Kind.PROMPT
-            self.trajectory.segments[-1].append(Span.context(kind, token_ids))
+            self.trajectory.segments[-1].append(Span.context(kind, token_ids, images))
 
     def count(self, name: str, n: int = 1) -> None:
         """Count an agent-side event (a tool error, a refused request): the step metrics show ``agent/<name>`` (new
@@ -87,10 +100,11 @@ class AgentClient:
             raise RuntimeError("no OpenAI-compatible endpoint serves this client (it needs a chat template)")
         return self.endpoint.openai(self.api_key)
 
-    async def generate(self, context_ids: list[int] | None = None, *, max_tokens: int | None) -> Generation:
-        """Append ``context_ids``, then sample up to ``max_tokens`` tokens (``None``: up to ``max_context``)
-        continuing the whole segment."""
-        self.add_context(context_ids or [])
+    async def generate(self, context_ids: list[int] | None = None, *, max_tokens: int | None,
+                       images: ImageInputs | None = None) -> Generation:
+        """Append ``context_ids`` (and the ``images`` its image tokens stand for), then sample up to ``max_tokens``
+        tokens (``None``: up to ``max_context``) continuing the whole segment."""
+        self.add_context(context_ids or [], images)
         prompt = self.tokens
         if not prompt:
             raise ValueError("generate needs context: pass the prompt token ids")
@@ -103,10 +117,16 @@ class AgentClient:
         seed = None if self.seed is None else self.seed + self._requests
         self._requests += 1
         t = self.trajectory  # route_key: an engine pool sends every turn of this trajectory to one engine
-        out = await self.engine.generate(prompt, Sampling(max_tokens=max_tokens, temperature=self.temperature,
-                                                          seed=seed, route_key=f"{t.group_id}/{t.info.get('index')}"))
+        sampling = Sampling(max_tokens=max_tokens, temperature=self.temperature, seed=seed,
+                            route_key=f"{t.group_id}/{t.info.get('index')}")
+        out = await self.engine.generate(prompt, sampling, images=segment_images(t.segments[-1]))
         if out.token_ids:
             self.trajectory.segments[-1].append(Span.policy(out.token_ids, out.logprobs, out.versions))
+        placeholder = None if self.template is None else self.template.image_token_id
+        if placeholder is not None and placeholder in out.token_ids:
+            raise GeneratedImagePlaceholder(
+                f"the policy generated the image placeholder token (id {placeholder}): the trainer's forward would "
+                "read it as an image, so this trajectory is not trained on")
         place_routing(self.trajectory.segments[-1], out.routing)  # MoE: each position keeps its first record
         if out.finish_reason == "length" and self.trajectory.status == Status.OK:
             self.trajectory.status = Status.TRUNCATED
@@ -133,16 +153,16 @@ class AgentClient:
         t, tools = self.template, tools or None
         seen = self._messages
         if seen is not None and tools == self._tools and len(messages) > len(seen) and messages[: len(seen)] == seen:
-            delta = t.delta_ids(seen, messages[len(seen):], tools)
+            delta = t.delta_inputs(seen, messages[len(seen):], tools)
             if delta is None:
                 self.new_segment()
-                context = t.prompt_ids(messages, tools)
+                context, images = t.prompt_inputs(messages, tools)
             else:
-                context = t.close_turn_ids(self._last_gen) + delta
+                context, images = t.close_turn_ids(self._last_gen) + delta[0], delta[1]
         else:
             self.new_segment()
-            context = t.prompt_ids(messages, tools)
-        out = await self.generate(context, max_tokens=max_tokens)
+            context, images = t.prompt_inputs(messages, tools)
+        out = await self.generate(context, max_tokens=max_tokens, images=images)
         message = t.parse_reply(out.token_ids, tools)
         self._messages = [*messages, {k: v for k, v in message.items() if k != "unparsed"}]
         self._tools, self._last_gen = tools, out.token_ids

@@ -40,7 +40,7 @@ from .algorithms.objective import Norm
 from .batching import MiniBatch, StepMetrics, padding_frac, plan, rows_of
 from .engines.base import RolloutEngine
 from .envs import env_agent
-from .policy import Policy, check_vocab, policy_folder
+from .policy import Policy, check_vocab, load_lm, policy_folder
 from .rollout import RolloutSource
 from .tasks import arithmetic
 from .trajectory import Batch, collate
@@ -155,14 +155,14 @@ class AsyncRLModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.policy is not None:
             return
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         if self.hparams.torch_threads:
             torch.set_num_threads(self.hparams.torch_threads)
         self.policy_path = policy_folder(self.hparams.policy)
         self.tokenizer = AutoTokenizer.from_pretrained(self.policy_path)
         dtype = getattr(torch, self.hparams.dtype)
-        lm = AutoModelForCausalLM.from_pretrained(self.policy_path, dtype=dtype)
+        lm = load_lm(self.policy_path, dtype)
         check_vocab(lm.config, self.tokenizer)
         if self.hparams.activation_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -173,7 +173,7 @@ class AsyncRLModule(L.LightningModule):
                              routing=self.hparams.routing, router_aux_coef=self.hparams.router_aux_coef)
         parallel.shard(self.policy, self.trainer.strategy)
         if self.pieces.needs_reference:
-            ref = AutoModelForCausalLM.from_pretrained(self.policy_path, dtype=dtype).eval().requires_grad_(False)
+            ref = load_lm(self.policy_path, dtype).eval().requires_grad_(False)
             self.reference = Policy(ref, chunk_tokens=self.hparams.logit_chunk_tokens)
             parallel.shard(self.reference, self.trainer.strategy)
 
@@ -194,7 +194,8 @@ class AsyncRLModule(L.LightningModule):
     # ----- data -----
     def train_dataloader(self) -> DataLoader:
         if not self._started and self.global_rank == 0:  # rank 0 owns the source and the engine (see parallel)
-            self.source.max_context = self.hparams.max_context or self.policy.lm.config.max_position_embeddings
+            text = self.policy.lm.config.get_text_config()  # a VLM's language model sets the context length
+            self.source.max_context = self.hparams.max_context or text.max_position_embeddings
             self.source.should_stop = lambda: bool(getattr(self.trainer, "received_sigterm", False))
             self.source.start(self.engine, self.policy_path, self.tokenizer, lora_.adapter_of(self.policy.lm))
             check_vocab(self.policy.lm.config, self.tokenizer, self.engine)
@@ -287,7 +288,7 @@ class AsyncRLModule(L.LightningModule):
         sub, idx = rows_of(batch, rows), torch.tensor(rows, device=self.device)
         cut = sub.input_ids.shape[1] - 1  # the sub-batch's width, less one: (n, cut) tensors below
         out = self.policy.outputs(sub.input_ids, sub.attention_mask, sub.loss_mask, self.source.temperature,
-                                  entropy_grad=self.algo.entropy_coef > 0, routing=sub.routing)
+                                  entropy_grad=self.algo.entropy_coef > 0, routing=sub.routing, images=sub.images)
         mask = sub.loss_mask[:, 1:]  # (n, cut)
         prox = consts.slice("old", idx, cut)
         corr = off_policy(out.logprobs if prox is None else prox, sub.engine_logprobs[:, 1:], mask, self.algo)
@@ -320,8 +321,8 @@ class AsyncRLModule(L.LightningModule):
             for rows in mb.micro:
                 sub = rows_of(batch, rows or _any_row(mb))  # empty: run anyway, the ranks' collectives line up
                 args = (sub.input_ids, sub.attention_mask, sub.loss_mask, self.source.temperature)
-                out = self.policy.outputs(*args, routing=sub.routing)
-                ref = self.reference.outputs(*args).logprobs if self.reference is not None else None
+                out = self.policy.outputs(*args, routing=sub.routing, images=sub.images)
+                ref = self.reference.outputs(*args, images=sub.images).logprobs if self.reference is not None else None
                 if rows:
                     idx, cut = torch.tensor(rows, device=self.device), sub.input_ids.shape[1] - 1
                     consts.old[idx, :cut] = out.logprobs

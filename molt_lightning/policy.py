@@ -21,6 +21,12 @@ the batch's engine record (``Batch.routing``) decides the experts (R3, see ``moe
 router does; both report router metrics and, with ``router_aux_coef``, add transformers' load-balancing loss. For a
 dense policy the hook does nothing (and ``"replay"`` is refused when the policy is built).
 
+A vision-language policy (LLaVA) takes its batch's images (``Batch.images``, pixel values in row order) in the same
+single forward: the base model puts the vision tower's features at the image tokens, so the recomputed logprobs are
+conditioned on the pixels the engine saw. ``load_lm`` loads either kind (causal LM, or image-text-to-text for a
+config with a vision tower); text settings are read from ``config.get_text_config()`` (the config itself for a
+text-only LM).
+
 Before any of it, ``policy_folder`` resolves ``model.policy`` (a folder, or a function that returns one) and
 ``check_vocab`` checks the tokenizer against the embeddings (and the engine's vocabulary): each error names the fix.
 """
@@ -36,6 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import moe
+from .vision import BatchImages
 
 ROUTING_MODES = ("free", "replay")
 
@@ -67,22 +74,26 @@ class Policy(nn.Module):
                                       "forward only: replayed experts and router records would differ); set "
                                       "model.activation_checkpointing: false")
         self.replay, self.router_aux_coef = routing == "replay", router_aux_coef
+        text = lm.config.get_text_config()
         for attr in ("final_logit_softcapping", "logit_scale"):
-            if getattr(lm.config, attr, None):
+            if getattr(text, attr, None):
                 raise NotImplementedError(f"the policy's config sets {attr}: the chunked head does not apply it yet")
         self.lm, self.chunk_tokens = lm, chunk_tokens
         self.value_head = None
         if value_head:  # a linear head on the last hidden state: it shares the trunk, starts at 0
-            self.value_head = nn.Linear(lm.config.hidden_size, 1)
+            self.value_head = nn.Linear(text.hidden_size, 1)
             nn.init.zeros_(self.value_head.weight)
             nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                temperature: float, entropy_grad: bool = False, routing: torch.Tensor | None = None):
+                temperature: float, entropy_grad: bool = False, routing: torch.Tensor | None = None,
+                images: BatchImages | None = None):
         """Returns ``(logprobs, entropy, values, aux_loss, router_metrics)`` for the tokens marked by ``loss_mask``
-        (N, T), each per-token output (N, T-1); ``routing`` (N, T, layers, k) is the engine's expert record."""
+        (N, T), each per-token output (N, T-1); ``routing`` (N, T, layers, k) is the engine's expert record,
+        ``images`` a VLM's pixel values for the rows' image tokens."""
+        inputs = {} if images is None else images.model_inputs()  # LLaVA: {"pixel_values": (M, 3, H, W)}
         with moe.routed(self.lm, routing, self.replay) as rec:
-            hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask.long()).last_hidden_state
+            hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask.long(), **inputs).last_hidden_state
         config = self.lm.config
         metrics = moe.router_metrics(rec, routing, attention_mask, getattr(config, "num_experts", 0))
         aux = torch.zeros((), device=hidden.device)
@@ -153,6 +164,7 @@ def logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, temperat
 
 def check_vocab(config, tokenizer, engine=None) -> None:
     """The tokenizer's ids must fit the policy's embeddings, and the engine must sample from the same vocabulary."""
+    config = getattr(config, "get_text_config", lambda: config)()  # a VLM's language model holds the vocabulary
     if len(tokenizer) > config.vocab_size:
         where = f" in {config._name_or_path}" if getattr(config, "_name_or_path", "") else ""
         raise ValueError(f"the tokenizer{where} has {len(tokenizer)} tokens but the policy's embeddings hold "
@@ -163,6 +175,15 @@ def check_vocab(config, tokenizer, engine=None) -> None:
     if engine_vocab is not None and engine_vocab != config.vocab_size:
         raise ValueError(f"the engine serves a vocabulary of {engine_vocab} tokens, the policy has "
                          f"{config.vocab_size}: start the engine from the policy's own folder")
+
+
+def load_lm(folder: str, dtype: torch.dtype) -> nn.Module:
+    """The policy's LM from a Hugging Face folder: a causal LM, or for a config with a vision tower (LLaVA) the
+    image-text-to-text model (transformers maps those to their own auto class, not ``AutoModelForCausalLM``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vision = getattr(AutoConfig.from_pretrained(folder), "vision_config", None) is not None
+    return (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(folder, dtype=dtype)
 
 
 def policy_folder(policy: str) -> str:

@@ -58,6 +58,7 @@ from .client import AgentClient, AgentResult
 from .endpoint import Endpoint
 from .engines.base import Adapter, RolloutEngine
 from .trajectory import Status, Trajectory
+from .vision import load_processor
 
 log = logging.getLogger("molt_lightning.rollout")
 Group = list[Trajectory]
@@ -127,7 +128,14 @@ class RolloutSource:
     def start(self, engine: RolloutEngine, model_path: str, tokenizer, adapter: Adapter | None = None) -> None:
         """Launch (or join) the engine, serving the LoRA ``adapter`` if given; agents will run on its event loop."""
         self.engine = engine
-        self.template = ChatTemplate(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+        self.template = None
+        if getattr(tokenizer, "chat_template", None):
+            processor = load_processor(model_path)  # a vision-language policy's (expands images), else None
+            if processor is not None and not engine.accepts_images:
+                raise ValueError(f"{model_path} is a vision-language policy but {type(engine).__name__} cannot take "
+                                 "images: use molt_lightning.engines.TorchEngine (vLLM's vision models need "
+                                 "torchvision, which PyPI builds for CUDA only)")
+            self.template = ChatTemplate(tokenizer, processor)
         engine.launch(model_path, adapter)
         self._loop = engine.loop
         self.endpoint = None

@@ -10,6 +10,11 @@ Mixture-of-experts policies add one per-token fact, like logprobs and versions: 
 to by the engine (``Span.routing``, (n, layers, k) int16, ``moe.NO_RECORD`` rows where the engine never forwarded
 the position). ``place_routing`` puts an engine call's rows onto its segment's spans, keeping every position's first
 record; ``collate`` stacks them into ``Batch.routing`` (one function, ``_routing``), which routing replay consumes.
+
+Vision-language policies add per-trajectory inputs: the pixel values of the images whose placeholder tokens a
+context span holds (``Span.images``, a ``vision.ImageInputs``, set by the client from the processor's output);
+``collate`` checks each span holds exactly its images' tokens and gathers every row's images, in order, into
+``Batch.images`` (one function, ``vision.collate_images``), which the policy's forward takes.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 import torch
 
 from .moe import NO_RECORD, ROUTING_DTYPE
+from .vision import BatchImages, ImageInputs, collate_images
 
 
 class Kind(str, Enum):
@@ -47,16 +53,22 @@ class Span:
     logprobs: list[float] | None = None  # policy spans: the engine's logprob of each sampled token
     versions: list[int] | None = None  # policy spans: the policy version that sampled each token
     routing: torch.Tensor | None = None  # MoE policies, any kind: (n, layers, k) int16 experts, NO_RECORD rows
+    images: ImageInputs | None = None  # VLM context spans: the images whose expanded image tokens this span holds
 
     @classmethod
     def policy(cls, token_ids: list[int], logprobs: list[float], versions: list[int]) -> Span:
         return cls(Kind.POLICY, list(token_ids), list(logprobs), list(versions))
 
     @classmethod
-    def context(cls, kind: Kind, token_ids: list[int]) -> Span:
+    def context(cls, kind: Kind, token_ids: list[int], images: ImageInputs | None = None) -> Span:
         if kind == Kind.POLICY:
             raise ConsistencyError("a policy span needs engine logprobs and versions: use Span.policy")
-        return cls(kind, list(token_ids))
+        return cls(kind, list(token_ids), images=images)
+
+
+def segment_images(segment: list[Span]) -> ImageInputs | None:
+    """All images of a segment, in token order (what an engine needs with the segment as its prompt)."""
+    return ImageInputs.cat([s.images for s in segment])
 
 
 def place_routing(segment: list[Span], routing: torch.Tensor | None) -> None:
@@ -120,11 +132,12 @@ class Batch:
     traj_ids: torch.Tensor  # (N,) long, index of the trajectory in ``trajectories``
     trajectories: list[Trajectory]
     routing: torch.Tensor | None = None  # (N, T, layers, k) int16 engine experts, NO_RECORD off record; None: dense
+    images: BatchImages | None = None  # VLM: pixel values (M, 3, H, W) and each image's row (M,); None: text only
     stats: dict[str, float] = field(default_factory=dict)  # rollout-side counters since the previous batch
 
     def to(self, device) -> Batch:
-        tensors = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
-        return Batch(**{**vars(self), **tensors})
+        moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, (torch.Tensor, BatchImages))}
+        return Batch(**{**vars(self), **moved})
 
 
 def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None = None) -> Batch:
@@ -151,10 +164,13 @@ def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None
                 if span.routing is not None and span.routing.shape[0] != n:
                     raise ConsistencyError(f"sample {traj.sample_id}: {n} tokens but {span.routing.shape[0]} "
                                            "routing rows")
+                if span.images is not None:
+                    _check_images(span, traj.sample_id)
             if not any(mask):
                 continue  # a segment with nothing generated carries no signal
             if mask[0]:
                 raise ConsistencyError(f"sample {traj.sample_id}: a segment starts with a policy token (no prompt)")
+            _check_row_images(ids, segment_images(seg), traj.sample_id)
             rows.append((ids, mask, lps, vers, traj.reward, traj.group_id, t_idx, seg))
     if not rows:
         raise ConsistencyError("no trainable tokens in this batch")
@@ -174,6 +190,7 @@ def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None
         traj_ids=torch.tensor([r[6] for r in rows], dtype=torch.long),
         trajectories=trajectories,
         routing=_routing([r[7] for r in rows], width),
+        images=collate_images([segment_images(r[7]) for r in rows]),
     )
     return batch
 
@@ -192,6 +209,22 @@ def _routing(segments: list[list[Span]], width: int) -> torch.Tensor | None:
                 out[row, start:start + len(span.token_ids)] = span.routing
             start += len(span.token_ids)
     return out
+
+
+def _check_images(span: Span, sample_id: int) -> None:
+    """A span's image tokens are exactly its images' (``tokens_per_image`` each): what the VLM's forward needs."""
+    img, found = span.images, span.token_ids.count(span.images.token_id)
+    if span.kind == Kind.POLICY or found != len(img) * img.tokens_per_image:
+        raise ConsistencyError(f"sample {sample_id}: a {span.kind.value} span holds {found} image tokens for "
+                               f"{len(img)} images of {img.tokens_per_image} tokens each")
+
+
+def _check_row_images(ids: list[int], images: ImageInputs | None, sample_id: int) -> None:
+    """A row's image tokens are its images' and nothing else (e.g. not a placeholder the policy generated)."""
+    if images is not None and ids.count(images.token_id) != len(images) * images.tokens_per_image:
+        raise ConsistencyError(f"sample {sample_id}: the row holds {ids.count(images.token_id)} image tokens for "
+                               f"{len(images)} images of {images.tokens_per_image}: a policy or template token is "
+                               "the image placeholder (the client fails such trajectories)")
 
 
 def _check_policy_span(span: Span, sample_id: int, max_version: int | None) -> None:

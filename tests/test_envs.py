@@ -85,8 +85,8 @@ def record_generations(engine, monkeypatch):
     records = {}  # context + generated ids -> the engine's outputs for it
     original = engine.generate
 
-    async def generate(prompt_ids, sampling):
-        out = await original(prompt_ids, sampling)
+    async def generate(prompt_ids, sampling, images=None):
+        out = await original(prompt_ids, sampling, images)
         records.setdefault(tuple(prompt_ids) + tuple(out.token_ids), []).append((len(prompt_ids), out))
         return out
 

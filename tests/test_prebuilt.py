@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from molt_lightning.models import tiny
+from molt_lightning.models import tiny, tiny_vlm
 
 SPECS = tiny.SPECS  # arithmetic, python_tool, moe
 
@@ -24,7 +24,8 @@ def test_shipped_build_matches_its_spec(task):
     built = recorded.pop("built")
     assert recorded == spec and built["tool_route_success"] >= spec["sft"]["target"]
     assert (folder / "model.safetensors").stat().st_size < 4 * 2**20  # "a few MB"
-    assert {p.name for p in tiny.PREBUILT.iterdir()} == {tiny.folder_name(s) for s in SPECS.values()}  # no stale ones
+    shipped = {tiny.folder_name(s) for s in [*SPECS.values(), tiny_vlm.VLM_SPEC]}  # the VLM: tests/test_vlm.py
+    assert {p.name for p in tiny.PREBUILT.iterdir()} == shipped  # no stale ones
 
 
 @pytest.mark.parametrize("task", sorted(SPECS))

@@ -81,8 +81,8 @@ def record_routes(pool, monkeypatch):
     """Wrap every engine of the pool: (engine index, route key, prompt ids, Generation) of each finished request."""
     records = []
     for i, engine in enumerate(pool.engines):
-        async def generate(prompt_ids, sampling, _i=i, _original=engine.generate):
-            out = await _original(prompt_ids, sampling)
+        async def generate(prompt_ids, sampling, images=None, _i=i, _original=engine.generate):
+            out = await _original(prompt_ids, sampling, images)
             records.append((_i, sampling.route_key, list(prompt_ids), out))
             return out
 

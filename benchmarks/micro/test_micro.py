@@ -149,7 +149,7 @@ def test_logprobs(benchmark, lm, trajectories, tokenizer, route):
     def step():
         lm.zero_grad(set_to_none=True)
         if route == "chunked":
-            logprobs, entropy, _ = policy(ids, attn, loss_mask, temperature=1.0)
+            logprobs, entropy = policy(ids, attn, loss_mask, temperature=1.0)[:2]
         else:
             logits = lm(input_ids=ids, attention_mask=attn.long()).logits  # (N, T, V)
             logprobs, entropy = logprobs_and_entropy(logits, ids, 1.0, entropy_grad=False)

@@ -16,6 +16,11 @@ A LoRA policy (``model.lora``) is launched with its ``Adapter`` (peft's adapter 
 base model plus that adapter, and a sync carries only the adapter's tensors, under peft's names (as
 ``get_peft_model_state_dict`` gives them), through the same ``stage_weights``/``commit_weights``; each commit is a new
 adapter version. What a sync carries is decided in one place, ``lora.sync_buckets``.
+Vision-language policies: ``generate(prompt_ids, sampling, images=...)`` takes the pixel values of the images whose
+image tokens the prompt holds (``vision.ImageInputs``). An engine that can condition on them sets ``accepts_images``
+and implements ``_generate(prompt_ids, sampling, images)``; the others keep ``_generate(prompt_ids, sampling)``, and
+a request with images is refused with an error naming the engine that takes them (on the CPU only ``TorchEngine``:
+vLLM's vision models import torchvision, built for CUDA only; see ``molt_lightning.vision``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from ..vision import ImageInputs
 
 
 @dataclass
@@ -75,9 +82,11 @@ class RolloutEngine(ABC):
     """Subclasses implement ``start``, ``_generate``, ``_stage``, ``_commit``, ``shutdown``, ``pause``, ``resume``;
     ``start`` sets ``vocab_size`` (the size of the distribution the engine samples from). An engine that records
     the experts a mixture-of-experts policy routed each position to (``Generation.routing``, for routing replay)
-    sets ``captures_routing``."""
+    sets ``captures_routing``; one that conditions on images (``generate(..., images=...)``) sets
+    ``accepts_images``."""
 
     captures_routing = False
+    accepts_images = False
 
     def __init__(self) -> None:
         self.version = 0
@@ -157,11 +166,19 @@ class RolloutEngine(ABC):
     def check(self) -> None:
         """Raise if the engine can no longer serve (remote engines: down too long); called while the trainer waits."""
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, images: ImageInputs | None = None
+                       ) -> Generation:
         if not prompt_ids:
             raise ValueError("generate needs at least one prompt token")
+        if images is not None and not self.accepts_images:
+            raise NotImplementedError(
+                f"{type(self).__name__} cannot condition on images: serve a vision-language policy with "
+                "molt_lightning.engines.TorchEngine (vLLM's vision models need torchvision, which PyPI builds for "
+                "CUDA only; see molt_lightning.vision)")
         with self._busy():
-            out = await self._generate(list(prompt_ids), sampling)
+            prompt = list(prompt_ids)
+            out = await (self._generate(prompt, sampling) if images is None
+                         else self._generate(prompt, sampling, images))
         with self._lock:
             self._tokens += len(out.token_ids)
         return out

@@ -16,6 +16,13 @@ experts every forwarded position went to: the prefill's rows for the prompt, one
 first time a position is forwarded (a recompute after a weight update does not overwrite them); left padding is cut
 off. That record is what routing replay (``moe``) trains through.
 
+For a vision-language policy (LLaVA: ``load_lm`` picks the image-text-to-text class) a request may carry the
+pixel values of its prompt's images (``accepts_images``): the batch's images, in row order, go with every
+full-context forward (the prefill, and the recompute after a weight update), where the model puts the vision
+tower's features at the image tokens; decode steps read the KV cache only. On the CPU this is the engine that serves
+a VLM: vLLM's vision path needs torchvision, built for CUDA only (on GPUs: CUDA torch + torchvision + vLLM; see
+``molt_lightning.vision``).
+
 The decode loop is written by hand because ``generate`` offers no point between steps to swap weights and tag
 versions; the model forward, KV cache and position handling are transformers'.
 """
@@ -29,11 +36,13 @@ from collections.abc import Mapping
 import torch
 
 from .. import moe
+from ..vision import ImageInputs
 from .base import Generation, RolloutEngine, Sampling
 
 
 class TorchEngine(RolloutEngine):
     captures_routing = True  # for mixture-of-experts policies (dense ones return routing=None)
+    accepts_images = True  # for vision-language policies
 
     def __init__(self, device: str = "cpu", dtype: str = "float32", max_batch: int = 256, seed: int = 0):
         super().__init__()
@@ -47,9 +56,9 @@ class TorchEngine(RolloutEngine):
         self._scheduler: asyncio.Task | None = None
 
     async def start(self, model_path: str) -> None:
-        from transformers import AutoModelForCausalLM
+        from ..policy import load_lm
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
+        self.model = load_lm(model_path, self.dtype).to(self.device).eval()
         self._names = set(dict(self.model.named_parameters()))  # what a sync must carry
         if self.adapter is not None:
             from peft import get_peft_model, get_peft_model_state_dict
@@ -61,9 +70,10 @@ class TorchEngine(RolloutEngine):
             owned = {p.data_ptr() for p in self.model.parameters()}
             assert all(t.data_ptr() in owned for t in self._adapter_params.values())
             self._names = set(self._adapter_params)
-        self.vocab_size = self.model.config.vocab_size
-        self.eos_ids = _eos_ids(self.model.generation_config, self.model.config)
-        self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
+        text = self.model.config.get_text_config()  # the config itself for a text-only LM
+        self.vocab_size = text.vocab_size
+        self.eos_ids = _eos_ids(self.model.generation_config, text)
+        self.pad_id = text.pad_token_id if text.pad_token_id is not None else 0
         self.gen = torch.Generator(device=self.device).manual_seed(self.seed)
         self.capture = moe.RoutingCapture(self.model)  # MoE routers' choices (none for a dense policy)
         self._pending = asyncio.Queue()
@@ -80,9 +90,10 @@ class TorchEngine(RolloutEngine):
     async def resume(self) -> None:
         self._unpaused.set()
 
-    async def _generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
+    async def _generate(self, prompt_ids: list[int], sampling: Sampling, images: ImageInputs | None = None
+                        ) -> Generation:
         done = asyncio.get_running_loop().create_future()
-        await self._pending.put((prompt_ids, sampling, done))
+        await self._pending.put((prompt_ids, sampling, images, done))
         return await done
 
     async def _stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
@@ -116,44 +127,49 @@ class TorchEngine(RolloutEngine):
             while not self._pending.empty() and len(batch) < self.max_batch:
                 batch.append(self._pending.get_nowait())
             try:
-                outs = await asyncio.to_thread(self._run, [(p, s) for p, s, _ in batch])
-                for (_, _, fut), out in zip(batch, outs):
+                outs = await asyncio.to_thread(self._run, [(p, s, im) for p, s, im, _ in batch])
+                for (*_, fut), out in zip(batch, outs):
                     if not fut.done():
                         fut.set_result(out)
             except Exception as e:  # surface the error in every waiting request, keep serving
-                for _, _, fut in batch:
+                for *_, fut in batch:
                     if not fut.done():
                         fut.set_exception(e)
 
     @torch.no_grad()
-    def _run(self, requests: list[tuple[list[int], Sampling]]) -> list[Generation]:
-        B, L = len(requests), max(len(p) for p, _ in requests)
+    def _run(self, requests: list[tuple[list[int], Sampling, ImageInputs | None]]) -> list[Generation]:
+        B, L = len(requests), max(len(p) for p, *_ in requests)
         dev = self.device
         ids = torch.full((B, L), self.pad_id, dtype=torch.long, device=dev)  # (B, L) left-padded
         mask = torch.zeros(B, L, dtype=torch.long, device=dev)  # (B, L)
-        for i, (p, _) in enumerate(requests):
+        for i, (p, *_) in enumerate(requests):
             ids[i, L - len(p):] = torch.tensor(p, device=dev)
             mask[i, L - len(p):] = 1
-        temps = torch.tensor([s.temperature for _, s in requests], device=dev)  # (B,)
-        max_new = [s.max_tokens for _, s in requests]
-        stops = [set(() if s.ignore_eos else self.eos_ids) | set(s.stop_token_ids) for _, s in requests]
+        samplings = [s for _, s, _ in requests]
+        temps = torch.tensor([s.temperature for s in samplings], device=dev)  # (B,)
+        max_new = [s.max_tokens for s in samplings]
+        stops = [set(() if s.ignore_eos else self.eos_ids) | set(s.stop_token_ids) for s in samplings]
+        images = ImageInputs.cat([im for *_, im in requests])  # the rows' images in row order, or None
+        # a VLM's full-context forwards take them (the model fills the image tokens row-major); decode steps do not
+        vision = {} if images is None else {"pixel_values": images.pixel_values.to(dev, self.dtype)}
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
         out_ids = [[] for _ in range(B)]
         out_lps = [[] for _ in range(B)]
         out_vers = [[] for _ in range(B)]
         reasons = ["length"] * B
         alive = [m > 0 for m in max_new]
-        gens = [None if s.seed is None else torch.Generator(device=dev).manual_seed(s.seed) for _, s in requests]
+        gens = [None if s.seed is None else torch.Generator(device=dev).manual_seed(s.seed) for s in samplings]
         cache, seen = None, None
         self.capture.start(B, L + max(max_new))
         while any(alive):
             self._unpaused.wait()
             with self._weights:
                 version = self.version
+                extra = {}
                 if version != seen:  # first step, or new weights: (re)compute the whole context's KV
-                    cache, step_ids, step_pos = None, ids, pos
+                    cache, step_ids, step_pos, extra = None, ids, pos, vision
                 out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
-                                 past_key_values=cache, use_cache=True)
+                                 past_key_values=cache, use_cache=True, **extra)
             seen, cache = version, out.past_key_values
             self.capture.step(B, step_ids.shape[1], ids.shape[1])  # the forward ran the last S of ids' columns
             logits = out.logits[:, -1].float()  # (B, V)

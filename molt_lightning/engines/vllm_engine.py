@@ -19,6 +19,12 @@ fails once a prompt's prefill is split across scheduler steps ("CPU Generator do
 engine), which depends on timing. vLLM runs therefore sample from the engine's seeded stream, as before; per-request
 reproducibility is the torch engine's.
 
+Images are not taken (``accepts_images`` is False: a request with images is refused, naming ``TorchEngine``).
+vLLM's vision models (LLaVA, Qwen2-VL) import torchvision, and PyPI builds torchvision for CUDA only, so on this CPU
+path a vision-language policy is served by the torch engine. On GPUs a user would install CUDA torch + torchvision +
+vLLM; passing ``multi_modal_data`` with the token prompt here is the missing piece (LLaVA's tower keys also need
+vLLM's names: ``vision_tower.*`` -> ``vision_tower.vision_model.*``, see the project's ENVIRONMENT notes).
+
 vLLM is imported only in ``start``: importing this module is cheap.
 
 Client-side cost per request (``benchmarks/overhead_profile.py``): vLLM's statistics loggers are off

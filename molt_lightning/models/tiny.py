@@ -1,5 +1,6 @@
 """The embedded default policy: a tiny Llama and a byte-level BPE tokenizer, made offline by this code (and its
-mixture-of-experts sibling, ``moe_policy``: the same tokenizer and warm start on a tiny Qwen3-MoE).
+mixture-of-experts sibling, ``moe_policy``: the same tokenizer and warm start on a tiny Qwen3-MoE). The tiny
+vision-language policy (``models.tiny_vlm``) reuses the tokenizer training, padding and cache here.
 
 ``arithmetic_policy()`` returns a Hugging Face model folder (config, safetensors, tokenizer with a ChatML template)
 that transformers and vLLM both load: a tokenizer trained on synthetic dialogues, a random-init ~0.6M-parameter Llama,
@@ -136,8 +137,8 @@ def train_tokenizer(vocab_size: int, seed: int = 0, task=None):
 
     task = task or arithmetic
     rng = random.Random(seed)
-    dialogues = [task.demonstration(rng, p_tool=0.5) for _ in range(3000)]
-    corpus = [m["content"] for d in dialogues for m in d]
+    dialogues = [task.demonstration(rng, 0.5) for _ in range(3000)]  # p_tool (p_right for tasks.shapes) 0.5
+    corpus = [_text(m["content"]) for d in dialogues for m in d]
     corpus += [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
                for d in dialogues for m in d for c in m.get("tool_calls", [])]
     corpus += ["user", "assistant", "tool", "system", "\n"]
@@ -160,6 +161,13 @@ def train_tokenizer(vocab_size: int, seed: int = 0, task=None):
     if hasattr(task, "RESPONSE_TEMPLATE"):
         tokenizer.response_template = task.RESPONSE_TEMPLATE
     return tokenizer
+
+
+def _text(content) -> str:
+    """A message's text: the content string, or its text parts joined (a multimodal message's images left out)."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if p.get("type") == "text")
 
 
 def sft_example(template, dialogue: list[dict], tools: list | None = None) -> tuple[list[int], list[int]]:

@@ -23,8 +23,8 @@ def record_generations(engine, monkeypatch):
     records = []
     original = engine.generate
 
-    async def generate(prompt_ids, sampling):
-        out = await original(prompt_ids, sampling)
+    async def generate(prompt_ids, sampling, images=None):
+        out = await original(prompt_ids, sampling, images)
         records.append((list(prompt_ids), out))
         return out
 
