@@ -9,7 +9,7 @@
 #
 # Environment: PYTHON (default python), POLICY (a folder or dotted path; default the tiny arithmetic policy; every
 # node needs the same), MOLT_API_KEY (the shared token: servers on other hosts refuse weight and control requests
-# without it), ENGINES (comma-separated server URLs, e.g. http://10.0.0.2:8000,http://10.0.0.3:8000), NNODES,
+# without it), ENGINES (comma-separated server URLs, e.g. http://engine-1:8000,http://engine-2:8000), NNODES,
 # GPUS_PER_NODE (trainer processes per node, default 1), STEPS. Weights cross machines in the HTTP body
 # (channel http; the shared-memory channel needs the servers on the trainer's rank-0 machine).
 set -euo pipefail

@@ -21,7 +21,7 @@ vllm-router (PyPI) routes the same way (``consistent_hash``/``sticky_least_loade
 health checks must reach every engine directly anyway, and the pool needs each engine's liveness to keep versions
 exact: a routing table of a few lines is simpler than a second process in between.
 
-Recipe: ``engine: {class_path: molt_lightning.engines.EnginePool, init_args: {urls: [http://10.0.0.2:8000, ...]}}``,
+Recipe: ``engine: {class_path: molt_lightning.engines.EnginePool, init_args: {urls: [http://engine-1:8000, ...]}}``,
 or ``init_args: {servers: 2}`` to start two loopback servers (``molt serve``) for the run.
 """
 
