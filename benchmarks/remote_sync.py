@@ -9,7 +9,9 @@ and resume calls; against a plain memory copy of the same bytes (``copy_`` into 
 Throughput: ``--prompts`` prompts x ``--tokens`` new tokens (``ignore_eos``), all sent at once, through an
 ``EnginePool`` of 1 server and of 2 servers (server i bound to core i), tokens/s over the wall time.
 
-    python benchmarks/remote_sync.py [--repeats 10] [--prompts 64] [--tokens 64]
+``--policy smollm2`` measures the weight sync for SmolLM2-135M-Instruct (538 MB, one server; no throughput table).
+
+    python benchmarks/remote_sync.py [--policy tiny|smollm2] [--repeats 10] [--prompts 64] [--tokens 64]
 """
 
 from __future__ import annotations
@@ -56,19 +58,21 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--policy", choices=["tiny", "smollm2"], default="tiny")
     args = p.parse_args()
     from safetensors.torch import load_file
 
     from molt_lightning.engines import EnginePool, RemoteVLLMEngine, VLLMEngine
+    from molt_lightning.models.smollm2 import smollm2_policy
     from molt_lightning.models.tiny import arithmetic_policy
     from molt_lightning.serve import LocalServer
 
-    policy = arithmetic_policy()
+    policy = arithmetic_policy() if args.policy == "tiny" else smollm2_policy()
     state = load_file(f"{policy}/model.safetensors")
     mb = sum(t.numel() * t.element_size() for t in state.values()) / 1e6
     rows = []
 
-    servers = [LocalServer(policy, cpu_threads=str(i)) for i in range(2)]
+    servers = [LocalServer(policy, cpu_threads=str(i)) for i in range(2 if args.policy == "tiny" else 1)]
     try:
         for s in servers:
             s.wait_ready(300)
@@ -83,7 +87,7 @@ def main() -> None:
             rows.append((f"remote, {channel} channel", push_time(remote, state, args.repeats)))
         remote.release()
         rates = []
-        for n in (1, 2):
+        for n in (1, 2) if args.policy == "tiny" else ():
             pool = EnginePool(urls=[s.url for s in servers[:n]])
             pool.launch(policy)
             pool.call(pool.update_weights(state, 0))
@@ -100,10 +104,12 @@ def main() -> None:
 
     base = rows[0][1]
     print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (shared machine)")
-    print(f"weight sync, tiny policy ({mb:.1f} MB), median of {args.repeats} pushes")
+    print(f"weight sync, {args.policy} policy ({mb:.1f} MB), median of {args.repeats} pushes")
     print(f"{'path':28s} {'s/push':>8s} {'GB/s':>8s} {'vs memcpy':>10s}")
     for name, s in rows:
         print(f"{name:28s} {s:8.4f} {mb / 1e3 / s:8.3f} {base / s:10.4f}")
+    if not rates:
+        return
     print(f"\ngeneration, {args.prompts} prompts x {args.tokens} tokens at once, EnginePool of local servers")
     print(f"{'servers':8s} {'tokens/s':>9s} {'vs 1':>6s}")
     for n, rate in rates:
