@@ -36,8 +36,9 @@ EXAMPLES = {  # what a parser key takes, for the fix line of its errors
                          "(e.g. molt_lightning.tasks.arithmetic_env.CalculatorEnv)",
     "model.tasks": "the dotted path of a function `tasks(seed)` returning an iterator of samples "
                    "(e.g. molt_lightning.tasks.arithmetic.tasks)",
-    "model.engine": "a RolloutEngine class: molt_lightning.engines.VLLMEngine, TorchEngine, RemoteVLLMEngine or "
-                    "EnginePool (its arguments under init_args)",
+    "model.engine": "a RolloutEngine class: molt_lightning.engines.VLLMEngine, molt_lightning.engines.TorchEngine, "
+                    "molt_lightning.engines.RemoteVLLMEngine or molt_lightning.engines.EnginePool (its arguments "
+                    "under init_args)",
     "model.algo": "the fields of molt_lightning.algorithms.Algorithm (see recipes/algorithms/)",
     "trainer.callbacks": "a list of Lightning Callback classes, each a class_path and its init_args "
                          "(e.g. lightning.pytorch.callbacks.ModelCheckpoint, molt_lightning.callbacks.RolloutSamples)",
