@@ -56,16 +56,17 @@ class EnginePool(RolloutEngine):
     ):
         """``urls``: running servers; ``servers``: how many loopback servers to start (server i bound to
         ``server_cpu_threads[i]``, default core ``i`` modulo the cores there are); ``engines``: any engines, e.g.
-        in-process ones. ``remote_kwargs`` go to every ``RemoteVLLMEngine`` (``channel``, ``api_key``, timeouts)."""
+        in-process ones. ``remote_kwargs`` go to every ``RemoteVLLMEngine`` (``channel``, ``api_key``, timeouts;
+        with ``channel: nccl``, remote engine i rendezvouses on ``nccl_master_port + i``)."""
         super().__init__()
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         threads = server_cpu_threads or [str(i % cores) for i in range(servers)]
         remote_kwargs["down_timeout_s"] = down_timeout_s
-        self.engines: list[RolloutEngine] = [
-            *(engines or []),
-            *(RemoteVLLMEngine(url=url, **remote_kwargs) for url in urls or []),
-            *(RemoteVLLMEngine(url=None, cpu_threads=threads[i], **remote_kwargs) for i in range(servers)),
-        ]
+        port = remote_kwargs.pop("nccl_master_port", 29600)  # channel nccl: one rendezvous port per server
+        remote = [(url, None) for url in urls or []] + [(None, threads[i]) for i in range(servers)]
+        self.engines: list[RolloutEngine] = [*(engines or []), *(
+            RemoteVLLMEngine(url=url, cpu_threads=cpu, nccl_master_port=port + i, **remote_kwargs)
+            for i, (url, cpu) in enumerate(remote))]
         if not self.engines:
             raise ValueError("EnginePool needs engines: give urls (running `molt serve` servers), servers: N "
                              "(started on loopback for the run) or engines")

@@ -16,7 +16,10 @@ Weights travel over a named channel:
   only route that reaches the worker with data; its weight routes take NCCL/IPC handles, not bytes).
   ``molt_load_weights_bytes`` decodes them. Cost: +33% size, a JSON parse in the API server and a msgpack copy to the
   engine core and its worker (see ``benchmarks/remote_sync.py``).
-- ``nccl`` (GPUs, across machines): not implemented (see ``_NCCL``).
+- ``nccl`` (GPUs, across machines; the server runs ``molt serve --nccl``): the tensors are broadcast over an NCCL
+  group of the trainer (rank 0) and the server's workers, through vLLM's weight-transfer routes
+  (``/init_weight_transfer_engine`` once, then ``/start_weight_update``, ``/update_weights`` per bucket,
+  ``/finish_weight_update``) and vLLM's own trainer-side helpers: ``nccl_channel.py``. Untested on GPUs here.
 
 Failures: every call has a timeout. A request that fails (connection refused or dropped, timeout, a 5xx, an aborted
 request) raises ``EngineUnavailable``: the agent's trajectory fails with that reason and is counted by the rollout
@@ -43,6 +46,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from . import nccl_channel
 from .base import Generation, RolloutEngine, Sampling
 
 log = logging.getLogger("molt_lightning.engines.remote")
@@ -68,15 +72,17 @@ class RemoteVLLMEngine(RolloutEngine):
         cpu_threads: str | None = None,
         start_timeout_s: float = 300.0,
         server_args: list[str] | None = None,
+        nccl_master_port: int = 29600,
+        nccl_master_address: str | None = None,
     ):
         """``url``: the server (``http://127.0.0.1:8000``); ``None`` starts one on a free loopback port (with
         ``cpu_threads``, ``server_args`` for vLLM, ``start_timeout_s``). ``api_key`` (default: ``$MOLT_API_KEY``)
-        is sent as a bearer token. ``channel``: ``shm``, ``http`` or ``auto`` (``shm`` for a loopback server)."""
+        is sent as a bearer token. ``channel``: ``shm``, ``http``, ``nccl`` or ``auto`` (``shm`` for a loopback
+        server). ``nccl``: the trainer hosts the group's rendezvous on ``nccl_master_address`` (default: this
+        machine's address toward the server) and ``nccl_master_port``, which the server must reach."""
         super().__init__()
         if channel not in CHANNELS:
             raise ValueError(f"channel must be one of {CHANNELS}, got {channel!r}")
-        if channel == "nccl":
-            raise NotImplementedError(_NCCL)
         self.url = url.rstrip("/") if url else None
         self.channel, self.api_key = channel, api_key if api_key is not None else os.environ.get("MOLT_API_KEY")
         self.request_timeout_s, self.connect_timeout_s = request_timeout_s, connect_timeout_s
@@ -84,11 +90,15 @@ class RemoteVLLMEngine(RolloutEngine):
             down_timeout_s
         self.weight_dir = weight_dir if os.path.isdir(weight_dir) else None
         self.cpu_threads, self.start_timeout_s, self.server_args = cpu_threads, start_timeout_s, server_args or []
+        self.nccl_master_port, self.nccl_master_address = nccl_master_port, nccl_master_address
         self.server = None  # the LocalServer this engine started, if any
+        self.transport = None  # an httpx transport for the client (tests: httpx.MockTransport)
         self._http = None
+        self._nccl = None  # the NcclChannel, channel nccl
         self._ids = itertools.count()
-        self._staged: list[tuple[str, str]] = []  # ("shm", file path) or ("http", base64 safetensors) per bucket
-        self._current: list[tuple[str, str]] = []  # those of the last commit: a server that comes back gets them
+        # per bucket: ("shm", file path), ("http", base64 safetensors) or ("nccl", {name: host tensor})
+        self._staged: list[tuple[str, object]] = []
+        self._current: list[tuple[str, object]] = []  # those of the last commit: a server that comes back gets them
         self._down_since: float | None = None
         self._down_reason = ""
         self._health: asyncio.Task | None = None
@@ -99,17 +109,24 @@ class RemoteVLLMEngine(RolloutEngine):
         import httpx
 
         self.weights_lock = asyncio.Lock()
+        if self.channel == "nccl":
+            nccl_channel.require_cuda()
         if self.url is None:
             from ..serve import LocalServer
 
-            self.server = LocalServer(model_path, cpu_threads=self.cpu_threads, extra_args=self.server_args)
+            extra = self.server_args + (nccl_channel.SERVER_ARGS if self.channel == "nccl" else [])
+            self.server = LocalServer(model_path, cpu_threads=self.cpu_threads, extra_args=extra)
             self.url = self.server.url
             await asyncio.to_thread(self.server.wait_ready, self.start_timeout_s)
         if self.channel == "auto":
             self.channel = "shm" if urlparse(self.url).hostname in ("127.0.0.1", "localhost", "::1") else "http"
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         self._http = httpx.AsyncClient(base_url=self.url, headers=headers, limits=httpx.Limits(max_connections=None),
-                                       timeout=httpx.Timeout(self.request_timeout_s, connect=self.connect_timeout_s))
+                                       timeout=httpx.Timeout(self.request_timeout_s, connect=self.connect_timeout_s),
+                                       transport=self.transport)
+        if self.channel == "nccl":
+            self._nccl = nccl_channel.NcclChannel(self._call, self.url, self.nccl_master_port,
+                                                  self.nccl_master_address, timeout_s=self.weight_timeout_s)
         try:
             await self._call("GET", "/health", timeout=self.connect_timeout_s + 5)
             self.vocab_size = int((await self._rpc("molt_vocab_size", timeout=30))[0])
@@ -223,14 +240,19 @@ class RemoteVLLMEngine(RolloutEngine):
         await self._post("/update_weight_version", json={"new_version": str(version)})
         self.version = version
 
-    async def _load(self, payload: list[tuple[str, str]]) -> None:
+    async def _load(self, payload: list[tuple[str, object]]) -> None:
+        """The one step that differs between channels: put the buckets' tensors into the (paused) server."""
         for channel, method in (("shm", "molt_load_weights"), ("http", "molt_load_weights_bytes")):
             if items := [data for kind, data in payload if kind == channel]:
                 await self._rpc(method, items, timeout=self.weight_timeout_s)
+        if items := [data for kind, data in payload if kind == "nccl"]:
+            await self._nccl.load(items)
 
-    def _serialize(self, state: Mapping[str, torch.Tensor]) -> tuple[str, str]:
+    def _serialize(self, state: Mapping[str, torch.Tensor]) -> tuple[str, object]:
         from safetensors.torch import save, save_file
 
+        if self.channel == "nccl":  # a copy: the trainer's tensors change after the commit, the bucket must not
+            return "nccl", {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
         if self.channel == "http":
             return "http", base64.b64encode(save(tensors)).decode("ascii")
@@ -240,7 +262,7 @@ class RemoteVLLMEngine(RolloutEngine):
         return "shm", path
 
     @staticmethod
-    def _discard(payload: list[tuple[str, str]]) -> None:
+    def _discard(payload: list[tuple[str, object]]) -> None:
         for kind, path in payload:
             if kind == "shm":
                 _unlink(path)
@@ -266,6 +288,8 @@ class RemoteVLLMEngine(RolloutEngine):
         try:
             log.warning("the engine at %s answers again: loading version %d before it serves", self.url, self.version)
             async with self.weights_lock:
+                if self._nccl is not None:
+                    self._nccl.reset()  # the server may have restarted: it joins a new group
                 await self.pause()
                 try:
                     if self._current:
@@ -326,9 +350,3 @@ def _unlink(path: str) -> None:
     except FileNotFoundError:
         pass
 
-
-_NCCL = """channel="nccl" is not implemented. vLLM 0.32 serves /init_weight_transfer_engine, /start_weight_update,
-/update_weights and /finish_weight_update for an NCCL weight-transfer engine (CUDA only): what is missing is the
-trainer side, a process group that joins the server's workers (vLLM's StatelessProcessGroup + PyNcclCommunicator,
-rank 0 = trainer) and broadcasts each bucket while /update_weights is in flight, plus a GPU to test it on. Use
-channel="shm" on one machine or channel="http" across machines."""
