@@ -1,10 +1,16 @@
 """``molt serve``: one vLLM OpenAI-compatible server set up for RL, for ``RemoteVLLMEngine`` and ``EnginePool``.
 
-``molt serve --policy DIR [--port 8000] [--host 127.0.0.1] [--api-key KEY] [--cpu-threads 1] [-- VLLM ARGS]`` runs
+``molt serve --policy DIR [--port 8000] [--host 127.0.0.1] [--api-key KEY] [--cpu-threads 1] [--nccl]
+[-- VLLM ARGS]`` runs
 ``python -m vllm.entrypoints.openai.api_server`` with what the remote engine relies on: the project's worker
 extension (weight loads through ``/collective_rpc``), processed logprobs, the token-in/token-out route
 (``--enable-scale-out``), the RL and dev routes (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/resume``,
 ``/update_weight_version``, ``/reset_prefix_cache``, ``/collective_rpc``), and ``Guard``.
+
+``--nccl`` (GPU servers) also enables vLLM's NCCL weight-transfer engine (``--weight-transfer-config
+{"backend": "nccl"}``), for ``RemoteVLLMEngine(channel="nccl")``: the trainer joins the server's workers in an NCCL
+group through ``/init_weight_transfer_engine`` and broadcasts each update (``engines/nccl_channel.py``). The
+workers dial the trainer's rendezvous address and port, so that port must be open from the server to the trainer.
 
 Access: the server binds loopback unless ``--host`` says otherwise. vLLM's own ``--api-key`` guards only the
 ``/v1``, ``/inference`` routes; its control routes (weights, pause, RPC: arbitrary worker methods) stay open. ``Guard``
@@ -172,7 +178,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--api-key", default=os.environ.get(TOKEN_ENV),
                    help=f"shared token for every route but the probes (default ${TOKEN_ENV})")
     p.add_argument("--cpu-threads", default=None, help="cores for vLLM's CPU threads, e.g. 1 or 0-1")
+    p.add_argument("--nccl", action="store_true", help="enable vLLM's NCCL weight-transfer engine (GPUs), for the "
+                                                       "remote engine's channel nccl")
     args = p.parse_args(argv)
+    if args.nccl:
+        from .engines.nccl_channel import SERVER_ARGS
+
+        extra = SERVER_ARGS + extra
     from .policy import policy_folder
 
     policy = policy_folder(args.policy)
