@@ -10,8 +10,10 @@
 # Environment: PYTHON (default python), POLICY (a folder or dotted path; default the tiny arithmetic policy; every
 # node needs the same), MOLT_API_KEY (the shared token: servers on other hosts refuse weight and control requests
 # without it), ENGINES (comma-separated server URLs, e.g. http://engine-1:8000,http://engine-2:8000), NNODES,
-# GPUS_PER_NODE (trainer processes per node, default 1), STEPS. Weights cross machines in the HTTP body
-# (channel http; the shared-memory channel needs the servers on the trainer's rank-0 machine).
+# GPUS_PER_NODE (trainer processes per node, default 1), STEPS, CHANNEL. Weights cross machines in the HTTP body
+# (CHANNEL=http, the default; the shared-memory channel needs the servers on the trainer's rank-0 machine). On GPU
+# clusters CHANNEL=nccl (on the servers and the trainer) broadcasts them over NCCL instead: servers start with
+# `molt serve --nccl`, and each server's workers dial the trainer's rank 0 on port 29600 + its index in ENGINES.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
@@ -47,7 +49,8 @@ case "${1:-}" in
     ;;
   server)
     : "${MOLT_API_KEY:?set MOLT_API_KEY, the token the trainer will send}"
-    exec "$PYTHON" -m molt_lightning.serve --policy "$POLICY" --host 0.0.0.0 --port "${PORT:-8000}"
+    nccl=(); [ "${CHANNEL:-http}" = nccl ] && nccl=(--nccl)
+    exec "$PYTHON" -m molt_lightning.serve --policy "$POLICY" --host 0.0.0.0 --port "${PORT:-8000}" "${nccl[@]}"
     ;;
   trainer)
     : "${ENGINES:?set ENGINES to the servers' URLs}" "${MASTER_ADDR:?}" "${NODE_RANK:?}" "${NNODES:?}"
@@ -64,7 +67,7 @@ case "${1:-}" in
       --trainer.accelerator "${ACCELERATOR:-auto}" --trainer.max_steps "$STEPS"
     ;;
   *)
-    sed -n 2,15p "$0"
+    sed -n 2,16p "$0"
     exit 2
     ;;
 esac
