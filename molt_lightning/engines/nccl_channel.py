@@ -15,7 +15,12 @@ reset the prefix cache, tag the version, resume) and this module is only its "lo
 Staged buckets are host-memory copies (as the other channels' files: the last commit is kept for a server that
 comes back); each moves to the trainer's GPU bucket by bucket for its broadcast.
 
-Untested here (no GPU in this project's CI): the NCCL group, the broadcast and a real server's NCCL engine. The
+A failed load drops the group, and so does a server that comes back after being down: the next load joins a new
+one (``/init_weight_transfer_engine`` again, same port).
+
+Untested here (no GPU in this project's CI): the NCCL group, the broadcast, a real server's NCCL engine (which loads
+through vLLM's layerwise reload: a commit carrying only part of the model is not checked against it), rejoining
+after a failure (whether the old rendezvous port is free again). The
 tests (``tests/test_remote_nccl.py``) fake the HTTP server and replace ``open_group``/``broadcast`` with recording
 stubs: they check the routes, their payloads and their order, and the error without CUDA.
 """
