@@ -18,19 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import time
 
 import torch
-
-
-def median_s(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from weight_sync import median_s  # benchmarks/ is the script's folder
 
 
 def push_time(engine, state, repeats: int) -> float:

@@ -295,17 +295,10 @@ def test_fsdp2_with_lora_is_refused(peft_lm):
 
 def test_lora_recipe_trains_through_the_cli(tmp_path, policy_path):
     """recipes/lora.yaml parses (model.lora becomes a LoraSpec) and trains; the sync carries the adapter only."""
-    import pandas as pd
-    from test_cli import run
+    from test_cli import fit_recipe
 
-    out = run("-m", "molt_lightning.cli", "fit", "--config", "recipes/lora.yaml",
-              "--model.engine", "molt_lightning.engines.TorchEngine", "--trainer.max_steps", "2",
-              "--trainer.logger.init_args.save_dir", str(tmp_path))
-    assert out.returncode == 0, out.stderr[-3000:]
-    [run_dir] = list((tmp_path / "lora").iterdir())
-    df = pd.read_csv(run_dir / "metrics.csv")
-    assert sorted(df["step"].dropna().unique()) == [0, 1]
-    assert "r: 8" in (run_dir / "config.yaml").read_text()
+    _, _, config, df = fit_recipe("lora", tmp_path, "--model.engine", "molt_lightning.engines.TorchEngine")
+    assert "r: 8" in config
     full = os.path.getsize(f"{policy_path}/model.safetensors")
     sync = df["perf/sync_bytes"].dropna()
     assert len(sync) == 2 and (sync == sync.iloc[0]).all() and 0 < sync.iloc[0] < full / 2

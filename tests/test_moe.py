@@ -231,17 +231,11 @@ def test_loop_with_replay_trains_on_exactly_the_engines_tokens_and_logprobs(moe_
 
 
 def test_moe_recipe_parses_and_trains(tmp_path):
-    import pandas as pd
-    from test_cli import run
+    from test_cli import fit_recipe
 
-    out = run("-m", "molt_lightning.cli", "fit", "--config", "recipes/moe.yaml", "--trainer.max_steps", "2",
-              "--trainer.logger.init_args.save_dir", str(tmp_path))
-    assert out.returncode == 0, out.stderr[-3000:]
-    [run_dir] = list((tmp_path / "moe").iterdir())
-    config = (run_dir / "config.yaml").read_text()
+    _, _, config, df = fit_recipe("moe", tmp_path)
     assert "routing: replay" in config and "TorchEngine" in config and "moe_policy" in config
-    df = pd.read_csv(run_dir / "metrics.csv")
-    assert sorted(df["step"].dropna().unique()) == [0, 1] and df["moe/agree_l1"].notna().any()
+    assert df["moe/agree_l1"].notna().any()
 
 
 @pytest.mark.slow

@@ -291,17 +291,11 @@ def test_shapes_task_draws_counts_and_scores():
 
 
 def test_vlm_recipe_parses_and_trains(tmp_path):
-    import pandas as pd
-    from test_cli import run
+    from test_cli import fit_recipe
 
-    out = run("-m", "molt_lightning.cli", "fit", "--config", "recipes/vlm.yaml", "--trainer.max_steps", "2",
-              "--trainer.logger.init_args.save_dir", str(tmp_path))
-    assert out.returncode == 0, out.stderr[-3000:]
-    [run_dir] = list((tmp_path / "vlm").iterdir())
-    config = (run_dir / "config.yaml").read_text()
+    _, _, config, df = fit_recipe("vlm", tmp_path)
     assert "TorchEngine" in config and "shapes_policy" in config and "count_agent" in config
-    df = pd.read_csv(run_dir / "metrics.csv")
-    assert sorted(df["step"].dropna().unique()) == [0, 1] and df["reward"].notna().any()
+    assert df["reward"].notna().any()
 
 
 def test_shipped_vlm_is_its_specs_build_and_starts_above_chance(vlm_path, template):

@@ -235,6 +235,12 @@ def tool_route_success(model, template, pad_id: int, n: int = 256, seed: int = 1
     return float(torch.exp((logp * mask).sum(-1)).mean())
 
 
+def cosine(i: int, n: int, peak: float) -> float:
+    """The warm start's learning rate at step ``i`` of ``n``: linear warm-up over 10%, then cosine decay to 0."""
+    w = max(1, n // 10)
+    return peak * (i + 1) / w if i < w else peak * 0.5 * (1 + math.cos(math.pi * (i - w) / (n - w)))
+
+
 def build(out: Path, spec: dict) -> None:
     """Tokenizer, random init, then two supervised phases. Phase 1 (tool-heavy data) runs annealed rounds (warm-up,
     cosine decay) until the tool route is reliable (``tool_route_success >= target`` after a round): how much training
@@ -270,10 +276,6 @@ def build(out: Path, spec: dict) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
-
-    def cosine(i: int, n: int, peak: float) -> float:  # linear warm-up over 10%, then cosine decay to 0
-        w = max(1, n // 10)
-        return peak * (i + 1) / w if i < w else peak * 0.5 * (1 + math.cos(math.pi * (i - w) / (n - w)))
 
     model.train()
     rounds = []

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 import shutil
 import tempfile
 from pathlib import Path
 
-from .tiny import PREBUILT, SPEC, _batch, cached_folder, folder_name, train_tokenizer
+from .tiny import PREBUILT, SPEC, _batch, cached_folder, cosine, folder_name, train_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +129,6 @@ def build(out: Path, spec: dict) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
-
-    def cosine(i: int, n: int, peak: float) -> float:  # linear warm-up over 10%, then cosine decay to 0
-        w = max(1, n // 10)
-        return peak * (i + 1) / w if i < w else peak * 0.5 * (1 + math.cos(math.pi * (i - w) / (n - w)))
 
     model.train()
     rounds = []
