@@ -304,15 +304,20 @@ def build(out: Path, spec: dict) -> None:
     (out / "molt_spec.json").write_text(json.dumps(spec, indent=1))
 
 
+def ship(spec: dict, build_fn=None) -> Path:
+    """Build ``spec`` (with ``build_fn``, default ``build``) into ``models/prebuilt/``, replacing its old build."""
+    target = PREBUILT / folder_name(spec)
+    shutil.rmtree(target, ignore_errors=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        (build_fn or build)(Path(tmp), spec)
+        shutil.copytree(tmp, target)
+    return target
+
+
 # rebuild shipped policies: python -m molt_lightning.models.tiny [arithmetic python_tool moe]
 if __name__ == "__main__":
     import sys
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     for spec in (SPECS[name] for name in sys.argv[1:] or SPECS):
-        target = PREBUILT / folder_name(spec)
-        shutil.rmtree(target, ignore_errors=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            build(Path(tmp), spec)
-            shutil.copytree(tmp, target)
-        print(target)
+        print(ship(spec))

@@ -22,11 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
-from .tiny import PREBUILT, SPEC, _batch, cached_folder, cosine, folder_name, train_tokenizer
+from .tiny import PREBUILT, SPEC, _batch, cached_folder, cosine, folder_name, ship, train_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -158,9 +156,4 @@ def build(out: Path, spec: dict) -> None:
 
 if __name__ == "__main__":  # rebuild the shipped VLM: python -m molt_lightning.models.tiny_vlm
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    target = PREBUILT / folder_name(VLM_SPEC)
-    shutil.rmtree(target, ignore_errors=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        build(Path(tmp), VLM_SPEC)
-        shutil.copytree(tmp, target)
-    print(target)
+    print(ship(VLM_SPEC, build))
