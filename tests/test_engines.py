@@ -132,17 +132,20 @@ def _in_flight_update(engine, prompts, weights, hf_model):
     w0, w1 = weights, perturbed(weights, 0.3, seed=3)
     long = Sampling(max_tokens=120, temperature=1.0, ignore_eos=True)
 
-    async def scenario():
+    async def scenario(delay: float):
         tasks = [asyncio.ensure_future(engine.generate(p, long)) for p in prompts * 3]
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(delay)
         await engine.update_weights(w1, 11)
         return await asyncio.gather(*tasks)
 
-    for _attempt in range(3):  # the update must land mid-generation; retry if the machine was too fast or slow
-        engine.call(engine.update_weights(w0, 10))
-        outs = engine.call(scenario())
+    delay = 0.2
+    for _attempt in range(6):  # the update must land mid-generation: move it until it does (a loaded machine or a
+        engine.call(engine.update_weights(w0, 10))  # remote server delays the first tokens, a fast one ends early)
+        outs = engine.call(scenario(delay))
         if any(set(o.versions) == {10, 11} for o in outs):
             break
+        done_before = all(set(o.versions) == {10} for o in outs)  # every request finished before the update
+        delay = delay / 2 if done_before else delay * 2  # else the update landed before the first tokens
     assert any(set(o.versions) == {10, 11} for o in outs), "no request was in flight during the update"
     for p, o in zip(prompts * 3, outs):
         assert o.versions == sorted(o.versions)  # versions only move forward within a request
