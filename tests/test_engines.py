@@ -138,15 +138,20 @@ def _in_flight_update(engine, prompts, weights, hf_model):
         await engine.update_weights(w1, 11)
         return await asyncio.gather(*tasks)
 
-    delay = 0.2
-    for _attempt in range(6):  # the update must land mid-generation: move it until it does (a loaded machine or a
-        engine.call(engine.update_weights(w0, 10))  # remote server delays the first tokens, a fast one ends early)
+    early, late, tried = 0.0, None, []  # the update must land mid-generation: bisect the delay until it does (a
+    for _attempt in range(8):  # loaded machine or a remote server delays the first tokens, a fast one ends early)
+        delay = 0.2 if not tried else (early + late) / 2 if late is not None else early * 2
+        engine.call(engine.update_weights(w0, 10))
         outs = engine.call(scenario(delay))
-        if any(set(o.versions) == {10, 11} for o in outs):
+        seen = sorted({tuple(sorted(set(o.versions))) for o in outs})
+        tried.append((round(delay, 3), seen))
+        if (10, 11) in seen:
             break
-        done_before = all(set(o.versions) == {10} for o in outs)  # every request finished before the update
-        delay = delay / 2 if done_before else delay * 2  # else the update landed before the first tokens
-    assert any(set(o.versions) == {10, 11} for o in outs), "no request was in flight during the update"
+        if seen == [(10,)]:  # every request finished before the update
+            late = delay
+        else:  # the update landed before the first tokens of some request
+            early = delay
+    assert any(set(o.versions) == {10, 11} for o in outs), f"no request was in flight during the update: {tried}"
     for p, o in zip(prompts * 3, outs):
         assert o.versions == sorted(o.versions)  # versions only move forward within a request
     for o, p in [(o, p) for p, o in zip(prompts * 3, outs) if set(o.versions) == {10, 11}][:4]:
