@@ -75,6 +75,7 @@ class AsyncRLModule(L.LightningModule):
         mini_batches: int = 1,
         micro_batch_tokens: int | None = None,
         logit_chunk_tokens: int = 512,
+        share_prefix: bool = True,
         activation_checkpointing: bool = False,
         dtype: str = "float32",
         torch_threads: int | None = None,
@@ -102,6 +103,7 @@ class AsyncRLModule(L.LightningModule):
             mini_batches: optimizer steps per epoch; ``trainer.max_steps`` counts optimizer steps.
             micro_batch_tokens: most padded tokens per forward/backward (gradient accumulation); None: one pass.
             logit_chunk_tokens: policy tokens per chunk of the output head (memory: chunk x vocabulary floats).
+            share_prefix: run a prompt its rows share once per micro-batch (``prefix``; dense text policies).
             activation_checkpointing: recompute each decoder layer in the backward pass (less memory, ~30% slower).
             dtype: the trainer's parameter dtype; ``bfloat16`` works on the CPU but runs ~4x slower there.
             torch_threads: intra-op threads for the trainer (``torch.set_num_threads``); None leaves torch's default.
@@ -170,11 +172,13 @@ class AsyncRLModule(L.LightningModule):
             lm = lora_.apply(lm, self.lora)  # only the adapter requires grad
         lm.train()
         self.policy = Policy(lm, value_head=self.pieces.needs_values, chunk_tokens=self.hparams.logit_chunk_tokens,
-                             routing=self.hparams.routing, router_aux_coef=self.hparams.router_aux_coef)
+                             routing=self.hparams.routing, router_aux_coef=self.hparams.router_aux_coef,
+                             share_prefix=self.hparams.share_prefix)
         parallel.shard(self.policy, self.trainer.strategy)
         if self.pieces.needs_reference:
             ref = load_lm(self.policy_path, dtype).eval().requires_grad_(False)
-            self.reference = Policy(ref, chunk_tokens=self.hparams.logit_chunk_tokens)
+            self.reference = Policy(ref, chunk_tokens=self.hparams.logit_chunk_tokens,
+                                    share_prefix=self.hparams.share_prefix)
             parallel.shard(self.reference, self.trainer.strategy)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from . import moe
+from . import moe, prefix
 from .vision import BatchImages
 
 ROUTING_MODES = ("free", "replay")
@@ -58,7 +58,7 @@ class PolicyOutputs:
 
 class Policy(nn.Module):
     def __init__(self, lm: nn.Module, value_head: bool = False, chunk_tokens: int = 512, routing: str = "free",
-                 router_aux_coef: float = 0.0):
+                 router_aux_coef: float = 0.0, share_prefix: bool = True):
         super().__init__()
         if chunk_tokens < 1:
             raise ValueError(f"logit_chunk_tokens must be >= 1, got {chunk_tokens}")
@@ -79,6 +79,7 @@ class Policy(nn.Module):
             if getattr(text, attr, None):
                 raise NotImplementedError(f"the policy's config sets {attr}: the chunked head does not apply it yet")
         self.lm, self.chunk_tokens = lm, chunk_tokens
+        self.pack_kernel = lm.config._attn_implementation if share_prefix and prefix.supported(lm) is None else None
         self.value_head = None
         if value_head:  # a linear head on the last hidden state: it shares the trunk, starts at 0
             self.value_head = nn.Linear(text.hidden_size, 1)
@@ -92,10 +93,19 @@ class Policy(nn.Module):
         (N, T), each per-token output (N, T-1); ``routing`` (N, T, layers, k) is the engine's expert record,
         ``images`` a VLM's pixel values for the rows' image tokens."""
         inputs = {} if images is None else images.model_inputs()  # LLaVA: {"pixel_values": (M, 3, H, W)}
+        packed = prefix.pack(input_ids, attention_mask, loss_mask) if self.pack_kernel and not inputs else None
         with moe.routed(self.lm, routing, self.replay) as rec:
-            hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask.long(), **inputs).last_hidden_state
+            if packed is None:
+                hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask.long(),
+                                      **inputs).last_hidden_state  # (N, T, H)
+            else:  # each shared prompt once (see prefix), gathered back to (N, T, H)
+                mask = packed.mask(self.pack_kernel, self.lm.dtype)
+                hidden = packed.unpack(self.decoder(input_ids=packed.input_ids, attention_mask=mask,
+                                                    position_ids=packed.position_ids).last_hidden_state)
         config = self.lm.config
         metrics = moe.router_metrics(rec, routing, attention_mask, getattr(config, "num_experts", 0))
+        metrics["batch/decoder_tokens_frac"] = torch.tensor(1.0 if packed is None else
+                                                            packed.tokens / packed.unpacked_tokens)
         aux = torch.zeros((), device=hidden.device)
         if self.router_aux_coef:
             aux = self.router_aux_coef * moe.aux_loss(rec, attention_mask, config.num_experts,
