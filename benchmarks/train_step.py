@@ -1,7 +1,8 @@
 """One training step of the real ``AsyncRLModule`` on a fixed synthetic rollout batch: seconds per step and peak RSS.
 
-The batch: ``--rows`` sequences of ``--tokens`` tokens, the first quarter prompt and the rest policy tokens, in groups
-of 8. No engine and no rollouts: ``train_dataloader`` yields the same batch every step and weight pushes are skipped, so
+The batch: ``--rows`` sequences of ``--tokens`` tokens, the first quarter (or ``--prompt-tokens``) prompt and the rest
+policy tokens, in groups of 8; with ``--shared-prompts`` a group's rows share their prompt (a GRPO batch), which
+``model.share_prefix`` (``prefix``) runs once: ``--no-share-prefix`` is the baseline it is measured against. No engine and no rollouts: ``train_dataloader`` yields the same batch every step and weight pushes are skipped, so
 only the trainer's step is measured, under Lightning and the chosen strategy (``--strategy ddp|fsdp2 --devices 2``
 launches the ranks, as ``molt fit`` does). ``--mode full`` replaces the chunked head by the plain route (full
 (N, T, V) logits, then log-softmax), the baseline the chunked one is measured against. Prints one JSON line (rank 0)
@@ -31,37 +32,42 @@ POLICIES = {"tiny": "molt_lightning.models.tiny.arithmetic_policy",
             "smollm2": "molt_lightning.models.smollm2.smollm2_policy"}
 
 
-def synthetic_batch(rows: int, tokens: int, vocab: int, seed: int = 0):
+def synthetic_batch(rows: int, tokens: int, vocab: int, seed: int = 0, prompt_tokens: int | None = None,
+                    shared_prompts: bool = False):
     g = torch.Generator().manual_seed(seed)
-    trajs = []
+    trajs, p = [], prompt_tokens or tokens // 4
     for i in range(rows):
         ids = torch.randint(5, vocab, (tokens,), generator=g).tolist()
-        p = tokens // 4
+        if shared_prompts:  # a group's 8 rows share their prompt, as a GRPO batch's samples do
+            ids[:p] = torch.randint(5, vocab, (p,), generator=torch.Generator().manual_seed(seed + 1 + i // 8)).tolist()
         trajs.append(Trajectory(sample_id=i // 8, group_id=i // 8, reward=float(i % 3 == 0), segments=[[
             Span.context(Kind.PROMPT, ids[:p]), Span.policy(ids[p:], [-1.0] * (tokens - p), [0] * (tokens - p))]]))
     return collate(trajs, pad_id=0, max_version=0)
 
 
 class StepBench(AsyncRLModule):
-    def __init__(self, rows: int, tokens: int, mode: str, **kw):
+    def __init__(self, rows: int, tokens: int, mode: str, prompt_tokens: int | None = None,
+                 shared_prompts: bool = False, **kw):
         super().__init__(**kw)
         self.rows, self.tokens, self.mode, self.times = rows, tokens, mode, []
+        self.prompt_tokens, self.shared_prompts = prompt_tokens, shared_prompts
 
     def configure_model(self):
         super().configure_model()
         if self.mode == "full":  # the plain route: whole logits, then log-softmax (what the chunked head replaces)
             lm = self.policy.lm
 
-            def full(input_ids, attention_mask, loss_mask, temperature, entropy_grad=False):
+            def full(input_ids, attention_mask, loss_mask, temperature, entropy_grad=False, **_):
                 logits = lm(input_ids=input_ids, attention_mask=attention_mask.long()).logits  # (N, T, V)
                 lp, ent = logprobs_and_entropy(logits, input_ids, temperature, entropy_grad)
                 mask = loss_mask[:, 1:]
-                return torch.where(mask, lp, 0.0), torch.where(mask, ent, 0.0), None
+                return torch.where(mask, lp, 0.0), torch.where(mask, ent, 0.0), None, lp.new_zeros(()), {}
 
             self.policy.forward = full
 
     def train_dataloader(self):
-        batch = synthetic_batch(self.rows, self.tokens, self.policy.lm.config.vocab_size)
+        batch = synthetic_batch(self.rows, self.tokens, self.policy.lm.config.vocab_size,
+                                prompt_tokens=self.prompt_tokens, shared_prompts=self.shared_prompts)
         batch.stats = {}
 
         def forever():
@@ -100,6 +106,9 @@ def main() -> None:
     ap.add_argument("--mode", default="chunked", choices=["full", "chunked"])
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--prompt-tokens", type=int, default=None, help="prompt tokens per row (default: a quarter)")
+    ap.add_argument("--shared-prompts", action="store_true", help="a group's 8 rows share their prompt")
+    ap.add_argument("--no-share-prefix", action="store_true", help="run every row's prompt (model.share_prefix off)")
     ap.add_argument("--micro-batch-tokens", type=int, default=None)
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -110,7 +119,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     a = ap.parse_args()
     threads = a.threads or max(1, (os.cpu_count() or 1) // a.devices)
-    module = StepBench(a.rows, a.tokens, a.mode, policy=POLICIES[a.policy], micro_batch_tokens=a.micro_batch_tokens,
+    module = StepBench(a.rows, a.tokens, a.mode, a.prompt_tokens, a.shared_prompts, share_prefix=not a.no_share_prefix,
+                       policy=POLICIES[a.policy], micro_batch_tokens=a.micro_batch_tokens,
                        activation_checkpointing=a.activation_checkpointing, torch_threads=threads, lr=1e-6,
                        dtype=a.dtype)
     trainer = L.Trainer(accelerator="cpu", devices=a.devices, strategy=a.strategy, max_steps=a.steps, logger=False,
@@ -125,6 +135,8 @@ def main() -> None:
     if trainer.global_rank == 0:
         print(json.dumps({"policy": a.policy, "mode": a.mode, "strategy": a.strategy, "devices": a.devices,
                           "rows": a.rows, "tokens": a.tokens, "micro_batch_tokens": a.micro_batch_tokens,
+                          "prompt_tokens": a.prompt_tokens, "shared_prompts": a.shared_prompts,
+                          "share_prefix": not a.no_share_prefix,
                           "activation_checkpointing": a.activation_checkpointing, "threads_per_rank": threads,
                           "dtype": a.dtype, "precision": a.precision,
                           "s_per_step": statistics.median(module.times[1:] or module.times),

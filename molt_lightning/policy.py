@@ -7,6 +7,9 @@ states are taken for the policy tokens only (prompt and tool tokens are never tr
 computed), and the output head runs over them in chunks of ``chunk_tokens`` rows, each under activation
 checkpointing, so at most one (chunk, V) block of logits exists at a time, in the forward pass and in the backward.
 
+Rows that share a prompt (a GRPO group's samples) run it through the decoder once per micro-batch (``prefix``: packed
+sequences under a 4D mask, hidden states gathered back), unless ``share_prefix`` is off or the policy cannot be packed.
+
 The wrapper is also the unit FSDP2 shards at the root (``parallel.shard``): the decoder, the output head (tied to the
 embeddings in most small models) and a value head all run inside one ``forward``, so the root's parameters are
 gathered for it. ``forward`` returns a plain tuple (FSDP2 hooks the backward pass through the outputs' pytree).
