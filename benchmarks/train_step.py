@@ -2,11 +2,12 @@
 
 The batch: ``--rows`` sequences of ``--tokens`` tokens, the first quarter (or ``--prompt-tokens``) prompt and the rest
 policy tokens, in groups of 8; with ``--shared-prompts`` a group's rows share their prompt (a GRPO batch), which
-``model.share_prefix`` (``prefix``) runs once: ``--no-share-prefix`` is the baseline it is measured against. No engine and no rollouts: ``train_dataloader`` yields the same batch every step and weight pushes are skipped, so
-only the trainer's step is measured, under Lightning and the chosen strategy (``--strategy ddp|fsdp2 --devices 2``
-launches the ranks, as ``molt fit`` does). ``--mode full`` replaces the chunked head by the plain route (full
-(N, T, V) logits, then log-softmax), the baseline the chunked one is measured against. Prints one JSON line (rank 0)
-with the median s/step after the first step and the peak RSS of every rank.
+``model.share_prefix`` (``prefix``) runs once: ``--no-share-prefix`` is the baseline it is measured against. No engine
+and no rollouts: ``train_dataloader`` yields the same batch every step and weight pushes are skipped, so only the
+trainer's step is measured, under Lightning and the chosen strategy (``--strategy ddp|fsdp2 --devices 2`` launches the
+ranks, as ``molt fit`` does). ``--mode full`` replaces the chunked head by the plain route (full (N, T, V) logits,
+then log-softmax), the baseline the chunked one is measured against. Prints one JSON line (rank 0) with the median
+s/step after the first step and the peak RSS of every rank.
 
     python benchmarks/train_step.py --policy smollm2 --mode chunked --micro-batch-tokens 1024
 """
