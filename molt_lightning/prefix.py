@@ -76,13 +76,15 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch
         groups.setdefault(tuple(ids[r][:q + 1]), []).append(r)
     if len(groups) == len(ids):
         return None
-    seqs, pos, seg, local = [], [], [], {}  # local[r]: each of row r's positions' place in its pack
-    for prefix, rows in groups.items():
+    seqs, pos, seg = [], [], []
+    local, pack_of = [None] * len(ids), [0] * len(ids)  # row r's positions' places in pack pack_of[r]
+    for g, (prefix, rows) in enumerate(groups.items()):
         p = len(prefix)
         seq, where, segment = list(prefix), list(range(p)), [0] * p
         for i, r in enumerate(rows, start=1):
             local[r] = list(range(p)) + list(range(len(seq), len(seq) + lengths[r] - p))
             local[r] += [0] * (width - lengths[r])  # padding reads the pack's first position (never trained)
+            pack_of[r] = g
             seq += ids[r][p:lengths[r]]
             where += range(p, lengths[r])
             segment += [i] * (lengths[r] - p)
@@ -90,10 +92,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch
         pos.append(where)
         seg.append(segment)
     span, device = max(map(len, seqs)), input_ids.device
-    index = [[0] * width for _ in ids]
-    for g, rows in enumerate(groups.values()):
-        for r in rows:
-            index[r] = [g * span + j for j in local[r]]
+    index = torch.tensor(local, device=device) + span * torch.tensor(pack_of, device=device)[:, None]  # (N, T)
     fill = lambda rows, v: torch.tensor([x + [v] * (span - len(x)) for x in rows], device=device)  # noqa: E731
     segment = fill(seg, -1)  # (G, S): 0 the prefix, i the pack's i-th row, -1 padding
     k = torch.arange(span, device=device)
@@ -102,4 +101,4 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch
     allowed = causal & (key_seg >= 0) & ((key_seg == 0) | (key_seg == query_seg))  # (G, S, S)
     allowed |= torch.eye(span, dtype=torch.bool, device=device)  # a padding query attends to itself (no NaN)
     return Packed(input_ids=fill(seqs, int(ids[0][0])), position_ids=fill(pos, 0), allowed=allowed[:, None],
-                  index=torch.tensor(index, device=device), tokens=sum(map(len, seqs)), unpacked_tokens=sum(lengths))
+                  index=index, tokens=sum(map(len, seqs)), unpacked_tokens=sum(lengths))
