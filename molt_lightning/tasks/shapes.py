@@ -16,9 +16,10 @@ policy's processor expands it).
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Iterator
 from typing import Any
+
+from .arithmetic import reward  # the same grading: 1.0 for ``ANSWER k`` with the right count, else 0.0
 
 SIZE, CELL = 32, 8  # image side and grid cell, in pixels
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (40, 60, 230)}
@@ -65,16 +66,6 @@ def messages(sample: dict[str, Any]) -> list[dict[str, Any]]:
     """The one user message: the image, then the question."""
     return [{"role": "user", "content": [{"type": "image", "image": sample["image"]},
                                          {"type": "text", "text": sample["question"]}]}]
-
-
-def parse_answer(reply: str) -> int | None:
-    m = re.match(r"^\s*ANSWER\s+(\d+)\s*$", reply)
-    return int(m.group(1)) if m else None
-
-
-def reward(reply: str, sample: dict[str, Any]) -> float:
-    """1.0 for ``ANSWER k`` with the right count, else 0.0."""
-    return float(parse_answer(reply) == sample["answer"])
 
 
 async def count_agent(client, sample: dict[str, Any]) -> float:
