@@ -127,24 +127,37 @@ def test_vllm_sampled_logprobs_are_the_processed_ones(served_engine, prompts, we
         assert torch.allclose(torch.tensor(o.logprobs, dtype=torch.float64), ref, atol=1e-4)
 
 
-def _in_flight_update(engine, prompts, weights, hf_model):
-    """Requests in flight across an update: each token's logprob is that of the weights its version names."""
+def _in_flight_update(engine, prompts, weights, hf_model, continuous: bool = False):
+    """Requests in flight across an update: each token's logprob is that of the weights its version names.
+
+    ``continuous`` (vLLM-backed engines: continuous batching, first come first served): the update is sent when the
+    first of two 2-token requests, submitted after the long ones, returns, so the long ones are generating then
+    however slow the machine or the HTTP client is. Otherwise (static batches: a short request returns only with its
+    batch) the delay after which the update is sent is bisected until it lands mid-generation."""
     w0, w1 = weights, perturbed(weights, 0.3, seed=3)
     long = Sampling(max_tokens=120, temperature=1.0, ignore_eos=True)
 
     async def scenario(delay: float):
         tasks = [asyncio.ensure_future(engine.generate(p, long)) for p in prompts * 3]
-        await asyncio.sleep(delay)
+        if continuous:
+            await asyncio.sleep(0)  # the long requests go out first
+            short = [asyncio.ensure_future(engine.generate(p, Sampling(max_tokens=2, temperature=1.0,
+                                                                        ignore_eos=True))) for p in prompts[:2]]
+            await asyncio.wait(short, return_when=asyncio.FIRST_COMPLETED)
+        else:
+            await asyncio.sleep(delay)
         await engine.update_weights(w1, 11)
+        if continuous:
+            await asyncio.gather(*short)
         return await asyncio.gather(*tasks)
 
-    early, late, tried = 0.0, None, []  # the update must land mid-generation: bisect the delay until it does (a
-    for _attempt in range(8):  # loaded machine or a remote server delays the first tokens, a fast one ends early)
+    early, late, tried = 0.0, None, []  # static batches: a loaded machine delays the first tokens, a fast one ends
+    for _attempt in range(3 if continuous else 8):  # early
         delay = 0.2 if not tried else (early + late) / 2 if late is not None else early * 2
         engine.call(engine.update_weights(w0, 10))
         outs = engine.call(scenario(delay))
         seen = sorted({tuple(sorted(set(o.versions))) for o in outs})
-        tried.append((round(delay, 3), seen))
+        tried.append((round(delay, 3), seen) if not continuous else seen)
         if (10, 11) in seen:
             break
         if seen == [(10,)]:  # every request finished before the update
@@ -183,7 +196,7 @@ def test_pool_of_torch_engines_in_flight_update(policy_path, prompts, weights, h
 @pytest.mark.slow
 @pytest.mark.parametrize("served_engine", ["vllm", "remote", "pool"], indirect=True)
 def test_vllm_engine_in_flight_update(served_engine, prompts, weights, hf_model):
-    _in_flight_update(served_engine, prompts, weights, hf_model)
+    _in_flight_update(served_engine, prompts, weights, hf_model, continuous=True)
 
 
 def _stage_copies(engine, prompts, weights, hf_model):

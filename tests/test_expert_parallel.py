@@ -42,7 +42,7 @@ def test_ep_experts_equal_the_stock_experts_forward_and_backward_with_uneven_and
     helper = ROOT / "tests" / "helpers" / "ep_forward.py"
     run = subprocess.run([sys.executable, str(helper), str(tmp_path / "rendezvous")], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.returncode == 0, f"stdout:\n{run.stdout[-2000:]}\nstderr:\n{run.stderr[-4000:]}"
     cases = {c["case"]: c for c in map(json.loads, run.stdout.splitlines())}
     assert set(cases) == {"random", "skewed", "local"}
     for case in cases.values():
