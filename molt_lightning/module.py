@@ -67,6 +67,8 @@ class AsyncRLModule(L.LightningModule):
         agent_timeout_s: float = 300.0,
         task_seed: int = 0,
         max_failure_rate: float = 0.5,
+        admit_ahead: bool = True,
+        switch_interval_ms: float | None = None,
         algo: Algorithm = Algorithm(),
         lr: float = 1e-4,
         weight_decay: float = 0.0,
@@ -97,6 +99,10 @@ class AsyncRLModule(L.LightningModule):
             temperature: sampling temperature; the trainer recomputes logprobs at the same temperature.
             max_context: longest token sequence an agent may build (default: the policy's max positions).
             max_failure_rate: stop the run when more than this share of recent agent runs failed (1: never).
+            admit_ahead: while the trainer waits for a batch, start groups for later ones too (they share the engine
+                with it); False: only the batch it waits for runs then (``rollout``).
+            switch_interval_ms: Python's thread switch interval while rollouts run beside the trainer (None: Python's
+                5 ms); a shorter one stops busy agent threads from stalling the trainer's step (``rollout``).
             algo: advantage estimator, loss and their knobs (``Algorithm``).
             updates_per_batch: epochs over each rollout batch (PPO epochs); PPO's ratio is then taken against the
                 policy before the batch's first update.
@@ -142,7 +148,8 @@ class AsyncRLModule(L.LightningModule):
         self.source = RolloutSource(
             agent, tasks, group_size=group_size, prompts_per_step=prompts_per_step, max_lag=max_lag,
             temperature=temperature, max_context=max_context or 0, timeout_s=agent_timeout_s, task_seed=task_seed,
-            group_filter=self.pieces.group_filter, max_failure_rate=max_failure_rate,
+            group_filter=self.pieces.group_filter, max_failure_rate=max_failure_rate, admit_ahead=admit_ahead,
+            switch_interval_ms=switch_interval_ms,
         )
         self.policy_path: str | None = None
         self.policy: Policy | None = None  # the LM (``policy.lm``) and a value head for critic estimators

@@ -13,6 +13,17 @@ Staleness, bounded two ways (after AReaL's admission control, with a hard check 
   straggler can be overtaken. A group whose oldest token is more than ``max_lag`` versions behind the trainer is
   dropped (counted, logged) and its prompt is queued again, so no prompt is lost. We chose drop-and-retry over
   waiting for stragglers: waiting blocks the trainer on the slowest agent, which is what asynchrony is for.
+- *While the trainer waits* for a batch, the budget above already admits the next batch's groups, which then share
+  the engine with the batch being waited for. That fills the idle tail of a batch on an engine whose step costs
+  about the same for more sequences (a GPU). On an engine whose cost grows with every sequence (vLLM on one CPU
+  core) it only delays the awaited batch, and the engine then idles through the next training step: with
+  ``admit_ahead=False`` nothing beyond the awaited batch starts until the trainer takes it (SmolLM2 recipe: 7.8 ->
+  6.7 s/step; the tiny default: no change; ``benchmarks/results/smollm2_rollout_trace_cpu2.txt``).
+
+Agents run on a background thread of the trainer's process. Python hands the interpreter lock between threads every
+5 ms, and a trainer thread that releases it around every torch op waits up to that long each time a busy agent
+thread holds it: ``switch_interval_ms`` (``sys.setswitchinterval`` from ``begin`` to ``stop``) shortens it (SmolLM2
+recipe: the gradient step 5.5 -> 3.9 s, while the tiny default runs ~5% slower from the extra switches).
 
 Failed samples (agent raised, timed out, returned a non-finite reward) are counted, logged and never trained on; the
 rest of their group still is. A group with no usable sample is dropped, counted, and its prompt is not retried.
@@ -48,6 +59,7 @@ import logging
 import math
 import os
 import re
+import sys
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -89,6 +101,8 @@ class RolloutSource:
         group_filter: Callable[[list[float]], bool] | None = None,
         max_failure_rate: float = 0.5,
         failure_window: int | None = None,
+        admit_ahead: bool = True,
+        switch_interval_ms: float | None = None,
     ):
         for name, value, least in (("group_size", group_size, 1), ("prompts_per_step", prompts_per_step, 1),
                                    ("max_lag", max_lag, 0)):
@@ -123,6 +137,11 @@ class RolloutSource:
         self._recent: deque[str | None] = deque(maxlen=self.failure_window)  # None: ok, else the failure kind
         self._failure_kinds: Counter = Counter()
         self.should_stop: Callable[[], bool] = lambda: False
+        self.admit_ahead, self._trainer_waits = admit_ahead, False
+        if switch_interval_ms is not None and switch_interval_ms <= 0:
+            raise ValueError(f"model.switch_interval_ms must be > 0 (or null: Python's own), got {switch_interval_ms}")
+        self.switch_interval_ms = switch_interval_ms
+        self._switch_s: float | None = None  # the switch interval before begin, restored by stop
 
     # ----- lifecycle (trainer thread) -----
     def start(self, engine: RolloutEngine, model_path: str, tokenizer, adapter: Adapter | None = None) -> None:
@@ -150,6 +169,9 @@ class RolloutSource:
     def begin(self) -> None:
         """Start producing rollouts (after the engine holds the trainer's weights)."""
         self.settle_weights()
+        if self.switch_interval_ms is not None and self._switch_s is None:
+            self._switch_s = sys.getswitchinterval()
+            sys.setswitchinterval(self.switch_interval_ms / 1000)
         if self._producer is None:
             self._producer = asyncio.run_coroutine_threadsafe(self._produce(), self._loop)
 
@@ -161,6 +183,9 @@ class RolloutSource:
         if self._loop is None:
             return
         self._stopping = True
+        if self._switch_s is not None:
+            sys.setswitchinterval(self._switch_s)
+            self._switch_s = None
 
         async def _cancel():
             tasks = [t for t in self._tasks if not t.done()]
@@ -219,22 +244,11 @@ class RolloutSource:
                 f"max_lag + 1 steps (the WeightSync callback does, unless it was removed or replaced)."
             )
         with self._cond:
-            while True:
-                if isinstance(self._error, RolloutFailures):
-                    raise self._error
-                if self._error is not None:
-                    raise RuntimeError("the rollout producer died") from self._error
-                self.engine.check()  # an engine gone for good (a remote server down too long) fails the wait
-                if self.should_stop():
-                    raise RolloutStopped(f"stopped while waiting for rollouts ({len(self._ready)} of {self.P} groups "
-                                         "ready); to resume, run the same command with --ckpt_path last (the "
-                                         "checkpoint callback's last.ckpt) or a checkpoint file")
-                for item in [x for x in self._ready if self._too_old(x[1], trainer_version)]:
-                    self._ready.remove(item)
-                    self._drop_stale(item[1], trainer_version)
-                if len(self._ready) >= self.P:
-                    break
-                self._cond.wait(timeout=1.0)
+            self._trainer_waits = True  # admit_ahead=False: admission closes beyond this batch meanwhile
+            try:
+                self._wait_for_batch(trainer_version)
+            finally:
+                self._trainer_waits = False
             self._ready.sort(key=lambda x: x[0])  # oldest first
             taken, self._ready = self._ready[: self.P], self._ready[self.P:]
             for _, group in taken:
@@ -242,6 +256,25 @@ class RolloutSource:
             self.consumed_batches += 1
         self._notify()
         return [t for _, group in taken for t in group]
+
+    def _wait_for_batch(self, trainer_version: int) -> None:
+        """(Holding ``_cond``.) Until ``P`` usable groups are ready; stale ones are dropped meanwhile."""
+        while True:
+            if isinstance(self._error, RolloutFailures):
+                raise self._error
+            if self._error is not None:
+                raise RuntimeError("the rollout producer died") from self._error
+            self.engine.check()  # an engine gone for good (a remote server down too long) fails the wait
+            if self.should_stop():
+                raise RolloutStopped(f"stopped while waiting for rollouts ({len(self._ready)} of {self.P} groups "
+                                     "ready); to resume, run the same command with --ckpt_path last (the "
+                                     "checkpoint callback's last.ckpt) or a checkpoint file")
+            for item in [x for x in self._ready if self._too_old(x[1], trainer_version)]:
+                self._ready.remove(item)
+                self._drop_stale(item[1], trainer_version)
+            if len(self._ready) >= self.P:
+                break
+            self._cond.wait(timeout=1.0)
 
     def take_stats(self) -> dict[str, float]:
         """Counters since the previous call (``new/...``), their running totals, the reward sum of the samples the
@@ -291,6 +324,8 @@ class RolloutSource:
 
     def _admit(self) -> bool:
         budget = (self.engine.version - self.consumed_batches + self.max_lag + 1) * self.P
+        if self._trainer_waits and not self.admit_ahead:
+            budget = min(budget, self.P)  # only the batch the trainer waits for runs
         return self._running + len(self._ready) < budget
 
     def _prompts(self) -> Iterator[tuple[int, dict]]:

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--engine", default="torch", choices=("torch", "vllm"),
                    help="rollout engine (molt stacks; trl: its own generation, or its colocated vLLM)")
     r.add_argument("--torch-threads", type=int, default=None, help="molt stacks: trainer intra-op threads")
+    r.add_argument("--no-admit-ahead", action="store_true", help="molt stacks: model.admit_ahead false (only the "
+                   "batch the trainer waits for runs while it waits)")
+    r.add_argument("--switch-interval-ms", type=float, default=None, help="molt stacks: model.switch_interval_ms")
 
     i = sub.add_parser("import", help="import runs made elsewhere (one file or folder per seed)")
     i.add_argument("sources", nargs="+", type=Path, help="metrics files or folders, one per seed")
@@ -127,7 +130,8 @@ def cmd_run(args) -> int:
 
     protocol = load_protocol(args.protocol, args.overrides)
     out = run(protocol, args.stack, args.seeds, args.out,
-              {"engine": args.engine, "torch_threads": args.torch_threads})
+              {"engine": args.engine, "torch_threads": args.torch_threads, "admit_ahead": not args.no_admit_ahead,
+               "switch_interval_ms": args.switch_interval_ms})
     print(f"[molt-bench] wrote {out}")
     return 0
 

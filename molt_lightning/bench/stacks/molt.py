@@ -7,7 +7,8 @@ through the same Lightning-CSV importer users use for their own molt runs, so ``
 Options: ``engine`` = ``torch`` (default; ``TorchEngine``) or ``vllm`` (``VLLMEngine``, ~30 s start per seed on this
 CPU, with the recipes' core split: vLLM bound to the last core, the trainer on one thread unless ``torch_threads``).
 The engine is a stack option, not a protocol field: it changes systems numbers, not the algorithm, and the manifest
-records it. ``model.precision`` (optional, ``32-true`` or ``bf16-mixed``) is Lightning's trainer precision.
+records it; so do ``admit_ahead`` and ``switch_interval_ms`` (``AsyncRLModule``'s, the recipe's system settings).
+``model.precision`` (optional, ``32-true`` or ``bf16-mixed``) is Lightning's trainer precision.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def run_seed(protocol, seed: int, workdir: Path, options: dict):
         lr=float(p["optimizer"]["lr"]), weight_decay=float(p["optimizer"]["weight_decay"]),
         grad_clip=float(p["optimizer"]["grad_clip"]), dtype=p["model"].get("dtype", "float32"),
         torch_threads=options.get("torch_threads") or (1 if options.get("engine") == "vllm" else None),
+        admit_ahead=options.get("admit_ahead", True), switch_interval_ms=options.get("switch_interval_ms"),
         **{k: int(p["algorithm"][k]) for k in LOOP_KEYS if k in p["algorithm"]},
     )
     logger = CSVLogger(str(workdir), name="lightning_logs")
