@@ -5,6 +5,7 @@ that ``switch_interval_ms`` sets while rollouts run."""
 import asyncio
 import itertools
 import threading
+import time
 
 import pytest
 
@@ -24,8 +25,8 @@ def run(admit_ahead: bool):
     started, lock = [], threading.Lock()
 
     async def agent(client, sample):
-        with lock:
-            started.append(sample["i"])
+        with lock:  # the batches the trainer had taken when this group's agent started
+            started.append((sample["i"], source.consumed_batches))
         await asyncio.sleep(0.3)
         await client.generate([1, 2], max_tokens=2)
         return 1.0
@@ -36,13 +37,18 @@ def run(admit_ahead: bool):
     source = RolloutSource(agent, tasks, group_size=1, prompts_per_step=2, max_lag=1, admit_ahead=admit_ahead)
     engine = VersionedEngine(itertools.repeat([5, 6]))
     source.start(engine, "scripted", None)
-    seen = []
+    seen, taken = [], {}
     try:
-        source.begin()
         for step in range(3):
-            batch = source.next_batch(step)
+            trainer = threading.Thread(target=lambda: taken.setdefault(step, source.next_batch(step)))
+            trainer.start()
+            if step == 0:  # the trainer waits before the producer starts
+                while not source._trainer_waits:
+                    time.sleep(0.001)
+                source.begin()
+            trainer.join(30)
             with lock:
-                seen.append((sorted(t.sample_id for t in batch), len(started)))
+                seen.append((sorted(t.sample_id for t in taken[step]), sum(c <= step for _, c in started)))
             source.call(engine.commit_weights(step + 1))  # the trainer's push after its step
     finally:
         source.stop()
