@@ -17,13 +17,14 @@ Staleness, bounded two ways (after AReaL's admission control, with a hard check 
   the engine with the batch being waited for. That fills the idle tail of a batch on an engine whose step costs
   about the same for more sequences (a GPU). On an engine whose cost grows with every sequence (vLLM on one CPU
   core) it only delays the awaited batch, and the engine then idles through the next training step: with
-  ``admit_ahead=False`` nothing beyond the awaited batch starts until the trainer takes it (SmolLM2 recipe: 7.8 ->
-  6.7 s/step; the tiny default: no change; ``benchmarks/results/smollm2_rollout_trace_cpu2.txt``).
+  ``admit_ahead=False`` nothing beyond the awaited batch starts until the trainer takes it (SmolLM2 recipe: 8.7 ->
+  7.4 s/step; the tiny default: no change; ``benchmarks/results/smollm2_admission_cpu2.md``).
 
 Agents run on a background thread of the trainer's process. Python hands the interpreter lock between threads every
 5 ms, and a trainer thread that releases it around every torch op waits up to that long each time a busy agent
-thread holds it: ``switch_interval_ms`` (``sys.setswitchinterval`` from ``begin`` to ``stop``) shortens it (SmolLM2
-recipe: the gradient step 5.5 -> 3.9 s, while the tiny default runs ~5% slower from the extra switches).
+thread holds it: ``switch_interval_ms`` (``sys.setswitchinterval`` from ``begin`` to ``stop``) shortens it. Measured:
+within run-to-run noise on the SmolLM2 recipe (7.4 -> 7.1 s/step with ``admit_ahead=False``), ~5% slower on the tiny
+default (more switches); off unless set.
 
 Failed samples (agent raised, timed out, returned a non-finite reward) are counted, logged and never trained on; the
 rest of their group still is. A group with no usable sample is dropped, counted, and its prompt is not retried.
