@@ -111,6 +111,8 @@ class RolloutSource:
                 raise ValueError(f"model.{name} must be >= {least}, got {value}")
         if not 0 < max_failure_rate <= 1:
             raise ValueError(f"max_failure_rate must be in (0, 1] (1 turns the breaker off), got {max_failure_rate}")
+        if switch_interval_ms is not None and switch_interval_ms <= 0:
+            raise ValueError(f"model.switch_interval_ms must be > 0 (or null: Python's own), got {switch_interval_ms}")
         if temperature <= 0:
             raise ValueError("temperature must be > 0 for RL (greedy sampling has no logprobs to correct against)")
         self.agent, self.tasks, self.G, self.P = agent, tasks, group_size, prompts_per_step
@@ -139,8 +141,6 @@ class RolloutSource:
         self._failure_kinds: Counter = Counter()
         self.should_stop: Callable[[], bool] = lambda: False
         self.admit_ahead, self._trainer_waits = admit_ahead, False
-        if switch_interval_ms is not None and switch_interval_ms <= 0:
-            raise ValueError(f"model.switch_interval_ms must be > 0 (or null: Python's own), got {switch_interval_ms}")
         self.switch_interval_ms = switch_interval_ms
         self._switch_s: float | None = None  # the switch interval before begin, restored by stop
 

@@ -151,8 +151,9 @@ def _in_flight_update(engine, prompts, weights, hf_model, continuous: bool = Fal
             await asyncio.gather(*short)
         return await asyncio.gather(*tasks)
 
-    early, late, tried = 0.0, None, []  # static batches: a loaded machine delays the first tokens, a fast one ends
-    for _attempt in range(3 if continuous else 8):  # early
+    # static batches: a loaded machine delays the first tokens, a fast one ends early; bisect until the update lands
+    early, late, tried = 0.0, None, []
+    for _attempt in range(3 if continuous else 8):
         delay = 0.2 if not tried else (early + late) / 2 if late is not None else early * 2
         engine.call(engine.update_weights(w0, 10))
         outs = engine.call(scenario(delay))
