@@ -61,7 +61,7 @@ async def main(args) -> None:
     path = arithmetic_policy()
     template = ChatTemplate(AutoTokenizer.from_pretrained(path))
     engine = TorchEngine(seed=0)
-    await engine.start(path)
+    await engine.open(path)
     endpoint = Endpoint(["policy"], temperature=1.0)
     await endpoint.start()
     rng = random.Random(0)
@@ -77,7 +77,7 @@ async def main(args) -> None:
         d, e, c = (statistics.median(times[w]) * 1e3 for w in ("direct", "endpoint", "new-client"))
         print(f"| {n} | {d:.2f} | {e:.2f} | {e / d:.2f} | {e - d:.2f} | {c:.2f} | {c - d:.2f} |")
     await endpoint.stop()
-    await engine.shutdown()
+    await engine.close()
 
 
 if __name__ == "__main__":

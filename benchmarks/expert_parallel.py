@@ -33,7 +33,9 @@ def one(strategy: str, devices: int, threads: int, rows: int, tokens: int, steps
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from train_step import StepBench
 
-    module = StepBench(rows, tokens, "chunked", policy=MOE, torch_threads=threads, lr=1e-6)
+    from molt_lightning.config import Optim
+
+    module = StepBench(rows, tokens, "chunked", policy=MOE, torch_threads=threads, optim=Optim(lr=1e-6))
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module)

@@ -35,13 +35,15 @@ def run(policy: str, steps: int, device: str, dtype: str, **kw) -> dict:
     import torch
     from lightning.pytorch.loggers import CSVLogger
 
+    from molt_lightning import AsyncRLModule, Optim
     from molt_lightning.engines import TorchEngine
-    from molt_lightning.module import AsyncRLModule
+    from molt_lightning.tasks import arithmetic
 
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     out = tempfile.mkdtemp()
-    module = AsyncRLModule(policy=policy, engine=TorchEngine(device=device, dtype=dtype), dtype=dtype, lr=3e-4, **kw)
+    module = AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, policy=policy,
+                           engine=TorchEngine(device=device, dtype=dtype), dtype=dtype, optim=Optim(lr=3e-4), **kw)
     t0 = time.perf_counter()
     L.Trainer(max_steps=steps, accelerator="gpu" if device.startswith("cuda") else "cpu", devices=1,
               logger=CSVLogger(out), log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,

@@ -35,11 +35,13 @@ def run(name, max_lag, bind, threads, steps, warmup):
     import pandas as pd
     from lightning.pytorch.loggers import CSVLogger
 
+    from molt_lightning import AsyncRLModule, Optim, Rollout
     from molt_lightning.engines import VLLMEngine
-    from molt_lightning.module import AsyncRLModule
+    from molt_lightning.tasks import arithmetic
 
     engine = VLLMEngine(seed=0, cpu_threads=bind)
-    module = AsyncRLModule(engine=engine, max_lag=max_lag, lr=3e-4, torch_threads=threads)
+    module = AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, engine=engine, torch_threads=threads,
+                           rollout=Rollout(max_lag=max_lag), optim=Optim(lr=3e-4))
     out = tempfile.mkdtemp()
     L.seed_everything(0, verbose=False)
     L.Trainer(max_steps=steps, accelerator="cpu", logger=CSVLogger(out), log_every_n_steps=1,

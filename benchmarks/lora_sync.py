@@ -2,7 +2,7 @@
 
 For each policy (the tiny default, SmolLM2-135M) a trainer-side copy is built twice, plain and wrapped with a LoRA
 adapter (``--rank``, all linear layers, B random so the adapter is non-trivial). Each push is what
-``AsyncRLModule.push_weights`` does: ``lora.sync_buckets`` (every parameter, or the adapter's tensors only) through
+``weights.WeightFlow.push`` does: ``weights.buckets`` (every parameter, or the adapter's tensors only) through
 ``stage_weights`` + ``commit_weights``. Full weights go to an engine launched plain (vLLM: safetensors files in
 /dev/shm, ``reload_weights``, prefix-cache reset); the adapter goes to an engine launched with it (vLLM: a peft folder
 in /dev/shm, ``add_lora`` under a new id, the previous adapter removed; torch: ``set_peft_model_state_dict``). The
@@ -21,6 +21,7 @@ import torch
 
 from molt_lightning import lora
 from molt_lightning.policy import policy_folder
+from molt_lightning.weights import buckets
 
 from train_step import POLICIES  # noqa: E402  (benchmarks/ is the script's folder)
 
@@ -32,13 +33,13 @@ def make_engine(name: str):
 
 
 def push_seconds(engine, lm, repeats: int) -> tuple[float, int]:
-    """Median seconds of a push of ``lm``'s sync (as ``push_weights`` makes it) and its bytes."""
+    """Median seconds of a push of ``lm``'s sync (as ``WeightFlow.push`` makes it) and its bytes."""
     version, times, sent = [0], [], 0
     for i in range(repeats + 1):  # the first is a warm-up
         version[0] += 1
         t0 = time.perf_counter()
         sent = 0
-        for bucket in lora.sync_buckets(lm, 256 * 2**20):
+        for bucket in buckets(lm, 256 * 2**20):
             sent += sum(t.numel() * t.element_size() for t in bucket.values())
             engine.call(engine.stage_weights(bucket))
         engine.call(engine.commit_weights(version[0]))

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # names it (so an inner frame wins: tokenizer code called by the chat template is chat-template time, vLLM code called
 # by the agent is vLLM's), else the same with the second list (the loops everything runs in).
 TRAINER_KEYS = [
-    ("weight sync", ("push_weights", "VLLMEngine._write", "update_weights")),
+    ("weight sync", ("WeightFlow.push", "VLLMEngine._write", "update_weights")),
     ("generation: vLLM client side", ("vllm/",)),
     ("else: agent + chat template", ("ChatTemplate.", "AgentClient.", "calculator_agent", "tasks/", "endpoint.py")),
     ("else: collation", ("collate", "batching.py", "_BatchStream")),
@@ -97,7 +97,7 @@ def classify(frames: list[str], engine: bool) -> str:
     if names and names[-1].rpartition(".")[2] in IDLE_LEAVES:
         return "idle (blocked, not counted)"
     if not engine and any("training_step" in n for n in names) \
-            and not any(k in f for f in frames for k in ("collate", "_BatchStream", "push_weights")):
+            and not any(k in f for f in frames for k in ("collate", "next_batch", "WeightFlow.push")):
         return "gradient step"  # forward, backward and the optimizer, Lightning's wrappers included
     for rules in ([ENGINE_KEYS] if engine else [TRAINER_KEYS, LOOP_KEYS]):
         for frame in reversed(frames):

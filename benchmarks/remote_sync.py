@@ -56,7 +56,7 @@ def main() -> None:
     from molt_lightning.engines import EnginePool, RemoteVLLMEngine, VLLMEngine
     from molt_lightning.models.smollm2 import smollm2_policy
     from molt_lightning.models.tiny import arithmetic_policy
-    from molt_lightning.serve import LocalServer
+    from molt_lightning.engines.server import LocalServer
 
     policy = arithmetic_policy() if args.policy == "tiny" else smollm2_policy()
     state = load_file(f"{policy}/model.safetensors")

@@ -36,7 +36,7 @@ def instrument() -> None:
         return out
 
     async def traced_run_group(self, order, sample_id, sample):
-        event("admit", order, "engine_v", self.engine.version, "consumed", self.consumed_batches)
+        event("admit", order, "engine_v", self.engine.version, "consumed", self.admission.consumed)
         await run_group(self, order, sample_id, sample)
         event("group_done", order)
 

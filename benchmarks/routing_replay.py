@@ -31,9 +31,10 @@ def loop(mode: str, lag: int, steps: int, warmup: int, threads: int):
     import pandas as pd
     from lightning.pytorch.loggers import CSVLogger
 
+    from molt_lightning import AsyncRLModule, MoE, Optim, Rollout
     from molt_lightning.engines import TorchEngine
     from molt_lightning.models.tiny import moe_policy
-    from molt_lightning.module import AsyncRLModule
+    from molt_lightning.tasks import arithmetic
 
     pairs, before = [], {}  # (weights the step started from, its batch)
 
@@ -45,8 +46,9 @@ def loop(mode: str, lag: int, steps: int, warmup: int, threads: int):
             pairs.append((before["w"], outputs["batch"].to("cpu")))
             before["w"] = {k: v.detach().clone() for k, v in pl_module.policy.lm.state_dict().items()}
 
-    module = AsyncRLModule(policy=moe_policy(), engine=TorchEngine(seed=0), max_lag=lag, lr=3e-4, routing=mode,
-                           torch_threads=threads)
+    module = AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, policy=moe_policy(),
+                           engine=TorchEngine(seed=0), rollout=Rollout(max_lag=lag), optim=Optim(lr=3e-4),
+                           moe=MoE(routing=mode), torch_threads=threads)
     out = tempfile.mkdtemp()
     L.seed_everything(0, verbose=False)
     L.Trainer(max_steps=steps, accelerator="cpu", logger=CSVLogger(out), log_every_n_steps=1, callbacks=[Keep()],

@@ -25,8 +25,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from molt_lightning.module import AsyncRLModule
+from molt_lightning import AsyncRLModule, Batching, Optim
 from molt_lightning.policy import logprobs_and_entropy
+from molt_lightning.tasks import arithmetic
 from molt_lightning.trajectory import Kind, Span, Trajectory, collate
 
 POLICIES = {"tiny": "molt_lightning.models.tiny.arithmetic_policy",
@@ -47,9 +48,11 @@ def synthetic_batch(rows: int, tokens: int, vocab: int, seed: int = 0, prompt_to
 
 
 class StepBench(AsyncRLModule):
+    """``AsyncRLModule`` on a synthetic batch; ``kw`` are its arguments (records: ``batching=Batching(...)``)."""
+
     def __init__(self, rows: int, tokens: int, mode: str, prompt_tokens: int | None = None,
                  shared_prompts: bool = False, **kw):
-        super().__init__(**kw)
+        super().__init__(arithmetic.calculator_agent, arithmetic.tasks, **kw)  # no rollouts: never called
         self.rows, self.tokens, self.mode, self.times = rows, tokens, mode, []
         self.prompt_tokens, self.shared_prompts = prompt_tokens, shared_prompts
 
@@ -69,16 +72,12 @@ class StepBench(AsyncRLModule):
     def train_dataloader(self):
         batch = synthetic_batch(self.rows, self.tokens, self.policy.lm.config.vocab_size,
                                 prompt_tokens=self.prompt_tokens, shared_prompts=self.shared_prompts)
-        batch.stats = {}
 
         def forever():
             while True:
                 yield batch
 
         return DataLoader(_Iter(forever), batch_size=None, collate_fn=lambda x: x)
-
-    def push_weights(self) -> tuple[float, int]:
-        return 0.0, 0
 
     def on_train_start(self):
         pass
@@ -120,10 +119,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     a = ap.parse_args()
     threads = a.threads or max(1, (os.cpu_count() or 1) // a.devices)
-    module = StepBench(a.rows, a.tokens, a.mode, a.prompt_tokens, a.shared_prompts, share_prefix=not a.no_share_prefix,
-                       policy=POLICIES[a.policy], micro_batch_tokens=a.micro_batch_tokens,
-                       activation_checkpointing=a.activation_checkpointing, torch_threads=threads, lr=1e-6,
-                       dtype=a.dtype)
+    batching = Batching(share_prefix=not a.no_share_prefix, micro_batch_tokens=a.micro_batch_tokens,
+                        activation_checkpointing=a.activation_checkpointing)
+    module = StepBench(a.rows, a.tokens, a.mode, a.prompt_tokens, a.shared_prompts, policy=POLICIES[a.policy],
+                       batching=batching, torch_threads=threads, optim=Optim(lr=1e-6), dtype=a.dtype)
     trainer = L.Trainer(accelerator="cpu", devices=a.devices, strategy=a.strategy, max_steps=a.steps, logger=False,
                         precision=a.precision,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

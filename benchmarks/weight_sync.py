@@ -19,7 +19,7 @@ import time
 import torch
 
 from molt_lightning.policy import policy_folder
-from molt_lightning.parallel import full_state_buckets
+from molt_lightning.weights import buckets
 
 from train_step import POLICIES  # noqa: E402  (benchmarks/ is the script's folder)
 
@@ -66,7 +66,7 @@ def main() -> None:
 
             def push():
                 version[0] += 1
-                for bucket in full_state_buckets(lm, a.bucket_mb * 2**20):
+                for bucket in buckets(lm, a.bucket_mb * 2**20):
                     engine.call(engine.stage_weights(bucket))
                 engine.call(engine.commit_weights(version[0]))
 

@@ -2,7 +2,7 @@
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger
 
-from molt_lightning import AsyncRLModule
+from molt_lightning import AsyncRLModule, Rollout
 from molt_lightning.engines import VLLMEngine
 from molt_lightning.tasks.arithmetic import calculator, reward, tasks  # tasks(seed): {"question": "What is 73*41?"}
 
@@ -20,4 +20,4 @@ async def agent(client, sample) -> float:  # an ordinary async program: multi-tu
 
 if __name__ == "__main__":  # required: vLLM's engine process re-imports this script
     trainer = L.Trainer(max_steps=20, log_every_n_steps=1, logger=CSVLogger("runs"))  # runs/lightning_logs/version_N
-    trainer.fit(AsyncRLModule(agent=agent, tasks=tasks, engine=VLLMEngine(), max_lag=1))
+    trainer.fit(AsyncRLModule(agent=agent, tasks=tasks, engine=VLLMEngine(), rollout=Rollout(max_lag=1)))

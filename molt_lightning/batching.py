@@ -9,7 +9,9 @@ the same plan for all ranks without talking to the others:
   mini-batch (the collectives of DDP and FSDP2 must line up), a rank with fewer runs empty ones (``rows`` empty);
 - ``Norm`` holds the mini-batch-wide counts (over all ranks and micro-batches) that every aggregation divides by, so
   the accumulated gradient equals the gradient of the whole mini-batch at once, in every aggregation mode;
-- ``StepMetrics`` puts the parts' metrics back together into one value per step.
+- ``StepMetrics`` puts the parts' metrics back together into one value per step;
+- ``constants`` computes, in one no-grad pass over this rank's micro-batches, the per-token values an update needs
+  before its first optimizer step (PPO's old logprobs, the reference's logprobs, the value head's predictions).
 """
 
 from __future__ import annotations
@@ -100,6 +102,59 @@ def rows_of(batch: Batch, rows: list[int]) -> Batch:
            for k, v in vars(batch).items() if isinstance(v, torch.Tensor)}
     images = None if batch.images is None else batch.images.select(rows)  # the rows' images, in their order
     return Batch(**{**vars(batch), **cut, "images": images})
+
+
+def any_row(mb: MiniBatch) -> list[int]:
+    """A row of ``mb`` on this rank: an empty micro-batch runs it with weight 0 (the ranks' collectives line up)."""
+    return [next(r for rows in mb.micro for r in rows)]
+
+
+@dataclass
+class Constants:
+    """Per-token constants of one update, (N, T-1) on this rank's rows, or None when not needed."""
+
+    old: torch.Tensor | None = None  # the policy before the batch's first update: PPO's old logprobs
+    ref: torch.Tensor | None = None  # the frozen reference's logprobs
+    values: torch.Tensor | None = None  # the value head's predictions, every rank's rows
+
+    def rows(self, idx: torch.Tensor, cut: int) -> Constants:
+        """The constants of rows ``idx``, cut to ``cut`` positions."""
+        return Constants(*(None if t is None else t[idx, :cut] for t in (self.old, self.ref, self.values)))
+
+
+@torch.no_grad()
+def constants(policy, reference, batch: Batch, minis: list[MiniBatch], temperature: float, optimizer_steps: int,
+              trainer) -> Constants:
+    """PPO's old logprobs (when the batch makes more than one optimizer step), the reference's logprobs (KL), the
+    value head's predictions (critic; gathered from every rank, since advantages see the whole batch), each
+    (N, T-1), filled on this rank's rows; nothing when none is needed."""
+    if optimizer_steps == 1 and reference is None and policy.value_head is None:
+        return Constants()
+    shape, device = batch.loss_mask[:, 1:].shape, batch.input_ids.device  # (N, T-1)
+
+    def zeros(needed: bool):
+        return torch.zeros(shape, device=device) if needed else None
+
+    consts = Constants(old=zeros(True), ref=zeros(reference is not None), values=zeros(policy.value_head is not None))
+    mine = []
+    for mb in minis:
+        for rows in mb.micro:
+            sub = rows_of(batch, rows or any_row(mb))
+            args = (sub.input_ids, sub.attention_mask, sub.loss_mask, temperature)
+            out = policy.outputs(*args, routing=sub.routing, images=sub.images)
+            ref = reference.outputs(*args, images=sub.images).logprobs if reference is not None else None
+            if rows:
+                idx, cut = torch.tensor(rows, device=device), sub.input_ids.shape[1] - 1
+                consts.old[idx, :cut] = out.logprobs
+                if ref is not None:
+                    consts.ref[idx, :cut] = ref
+                if out.values is not None:
+                    consts.values[idx, :cut] = out.values
+                    mine += rows
+    if consts.values is not None:  # advantages need every rank's values
+        for rows, values in parallel.all_gather((mine, consts.values[mine].cpu()), trainer):
+            consts.values[rows] = values.to(device)
+    return consts
 
 
 class StepMetrics:

@@ -31,9 +31,9 @@ from lightning.pytorch.cli import LightningArgumentParser
 
 EXAMPLES = {  # what a parser key takes, for the fix line of its errors
     "model.agent": "the dotted path of an `async def agent(client, sample) -> reward`, importable where molt runs "
-                   "(e.g. molt_lightning.tasks.arithmetic.calculator_agent)",
-    "model.environment": "the dotted path of a molt_lightning.envs.Environment subclass "
-                         "(e.g. molt_lightning.tasks.arithmetic_env.CalculatorEnv)",
+                   "(e.g. molt_lightning.tasks.arithmetic.calculator_agent), or a class_path whose instances are "
+                   "such agents, with its init_args (e.g. molt_lightning.envs.EnvAgent with init_args {environment: "
+                   "molt_lightning.tasks.arithmetic_env.CalculatorEnv})",
     "model.tasks": "the dotted path of a function `tasks(seed)` returning an iterator of samples "
                    "(e.g. molt_lightning.tasks.arithmetic.tasks)",
     "model.engine": "a RolloutEngine class: molt_lightning.engines.VLLMEngine, molt_lightning.engines.TorchEngine, "
@@ -78,6 +78,9 @@ def fix_for(message: str, parser) -> str | None:
     if message.startswith("Problems parsing config"):
         return ("the recipe is not valid YAML at the line and column above: nest keys by indenting them under their "
                 "parent (spaces, not tabs), write `key: value`, and close every bracket and quote")
+    if m := re.search(r"arguments are required: (.+)", message):
+        wanted = [k.strip().removeprefix("fit.") for k in m[1].split(",")]
+        return "; ".join(f"{k} takes {EXAMPLES[k]}" for k in wanted if k in EXAMPLES) or None
     if m := re.match(r'Parser key "([^"]+)"', message):
         if bad := re.search(r"class_path '([^']+)':\s+Option '([^']+)' is not accepted", message):
             return _init_arg_fix(*bad.groups())
@@ -85,9 +88,10 @@ def fix_for(message: str, parser) -> str | None:
         return f"{key} takes {EXAMPLES[key]}" if key else None
     if m := _UNKNOWN.search(message):
         key = next(g for g in m.groups() if g).lstrip("-").split("=")[0]
-        keys = _keys(parser)
-        leaves = difflib.get_close_matches(key.rpartition(".")[2], {k.rpartition(".")[2] for k in keys}, n=2)
-        close = difflib.get_close_matches(key, keys, n=3, cutoff=0.75) \
+        keys, leaf, root = _keys(parser), key.rpartition(".")[2], key.partition(".")[0]
+        moved = [k for k in keys if k.rpartition(".")[2] == leaf and k.partition(".")[0] == root]  # in a group now
+        leaves = difflib.get_close_matches(leaf, {k.rpartition(".")[2] for k in keys}, n=2)
+        close = moved[:3] or difflib.get_close_matches(key, keys, n=3, cutoff=0.75) \
             or [k for k in keys if k.rpartition(".")[2] in leaves][:3]
         prog = parser.prog.replace(" [options]", "")
         known = f"`{prog} --help` lists every key (a recipe nests them under trainer:, model:, seed_everything:)"
@@ -121,14 +125,15 @@ def check_recipe(model) -> None:
         raise ValueError(f"model.dtype {model.dtype!r} is not a torch floating-point dtype: use float32, bfloat16 or "
                          "float16")
     agent, tasks = model.agent, model.tasks
+    if getattr(agent, "class_path", None):  # a class whose instances are agents; its init_args are checked when made
+        import pydoc
+
+        agent = pydoc.locate(agent.class_path).__call__  # jsonargparse imported it already
     if not (inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None))):
         raise ValueError(f"model.agent {_name(agent)} is not an async function: declare it "
                          "`async def agent(client, sample)` (it awaits client.chat / client.generate)")
-    _check_call(agent, "model.agent", "(client, sample)", None, None)
-    if model.get("environment") is not None:
-        from .envs import check_environment
-
-        check_environment(model.environment, model.get("env_kwargs"))
+    if not getattr(model.agent, "class_path", None):
+        _check_call(agent, "model.agent", "(client, sample)", None, None)
     if inspect.iscoroutinefunction(tasks) or inspect.isasyncgenfunction(tasks):
         raise ValueError(f"model.tasks {_name(tasks)} is async: it must be a plain function (or generator) "
                          "`tasks(seed)` returning an iterator of samples")
@@ -216,7 +221,7 @@ def main(args: list[str] | None = None) -> None:
                 kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
             return super().instantiate_trainer(**kwargs)
 
-    from .engines.remote import EngineUnavailable
+    from .engines import EngineUnavailable
     from .rollout import RolloutFailures, RolloutStopped
 
     failed = True
@@ -233,15 +238,11 @@ def main(args: list[str] | None = None) -> None:
     except SystemExit as e:
         failed = e.code not in (0, None)
         raise
-    except RolloutStopped as e:  # SIGTERM while waiting for rollouts: the engine is shut down by now
-        print(f"molt: {e}", file=sys.stderr)
-        sys.exit(128 + 15)
-    except (RolloutFailures, EngineUnavailable) as e:  # the failure breaker; remote engines gone or not answering
-        print(f"molt: {e}", file=sys.stderr)
-        sys.exit(1)
-    except DiskFull as e:  # a checkpoint did not fit; the earlier ones are intact
-        print(f"molt: {e.strerror}", file=sys.stderr)
-        sys.exit(1)
+    # SIGTERM while waiting for rollouts (the engine is shut down by now: exit 143); the failure breaker; remote
+    # engines gone or not answering; a checkpoint that did not fit (the earlier ones are intact): one line each
+    except (RolloutStopped, RolloutFailures, EngineUnavailable, DiskFull) as e:
+        print(f"molt: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        sys.exit(128 + 15 if isinstance(e, RolloutStopped) else 1)
     finally:
         if quiet:
             quiet[0].end(failed)

@@ -7,7 +7,8 @@ policy token into the record that the engine did not return.
 
 Agents written against the stock OpenAI client use ``client.base_url`` and ``client.api_key`` instead: the run's
 loopback endpoint (``molt_lightning.endpoint``) serves each request through ``chat_turn`` of the client whose key
-it carries.
+it carries. ``AgentClients`` sets up what the clients of a run share (the policy's chat template, with its processor
+for a vision-language policy, and the endpoint on the engine's loop) and makes each agent run's client.
 
 Images (vision-language policies): messages may hold image content parts; ``chat_turn`` gets their expanded token
 ids and pixel values from the template (the policy's processor), puts the pixel values on the context span that holds
@@ -20,14 +21,17 @@ counted like any agent failure.
 from __future__ import annotations
 
 import asyncio
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from collections.abc import Callable
 from typing import Any
 
 from .chat import ChatTemplate, Message
+from .endpoint import Endpoint
 from .engines.base import Generation, RolloutEngine, Sampling
 from .trajectory import Kind, Span, Status, Trajectory, place_routing, segment_images
-from .vision import ImageInputs
+from .vision import ImageInputs, load_processor
 
 
 @dataclass
@@ -167,3 +171,43 @@ class AgentClient:
         self._messages = [*messages, {k: v for k, v in message.items() if k != "unparsed"}]
         self._tools, self._last_gen = tools, out.token_ids
         return message, out
+
+
+class AgentClients:
+    """What the clients of one run share, and the client of each agent run: the policy's chat template (none when the
+    tokenizer has no chat template: token-level agents only) and the loopback OpenAI-compatible endpoint, which
+    ``start`` opens on the engine's loop (the engine is launched by then) and ``stop`` closes."""
+
+    def __init__(self, engine: RolloutEngine, model_path: str, tokenizer, temperature: float, max_context: int):
+        self.engine, self.temperature, self.max_context = engine, temperature, max_context
+        self.template, self.endpoint = None, None
+        if getattr(tokenizer, "chat_template", None):
+            processor = load_processor(model_path)  # a vision-language policy's (expands images), else None
+            if processor is not None and not engine.accepts_images:
+                raise ValueError(f"{model_path} is a vision-language policy but {type(engine).__name__} cannot take "
+                                 "images: use molt_lightning.engines.TorchEngine (vLLM's vision models need "
+                                 "torchvision, which PyPI builds for CUDA only)")
+            self.template = ChatTemplate(tokenizer, processor)
+            self.endpoint = Endpoint(["policy", os.path.basename(model_path.rstrip("/")), model_path], temperature)
+
+    def start(self) -> None:
+        if self.endpoint is not None:
+            self.engine.call(self.endpoint.start(), timeout=60)
+
+    def stop(self) -> None:
+        if self.endpoint is not None:
+            self.engine.call(self.endpoint.stop(), timeout=30)
+
+    @asynccontextmanager
+    async def client(self, trajectory: Trajectory, seed: int | None, counter: Callable[[str, int], None] | None,
+                     ) -> AsyncIterator[AgentClient]:
+        """The client of one agent run, reachable through the endpoint (its own key) while the block runs."""
+        client = AgentClient(self.engine, trajectory, self.template, self.temperature, self.max_context, seed=seed,
+                             counter=counter)
+        if self.endpoint is not None:
+            self.endpoint.register(client, f"{trajectory.sample_id}-{trajectory.info.get('index')}")
+        try:
+            yield client
+        finally:
+            if self.endpoint is not None:
+                self.endpoint.unregister(client)

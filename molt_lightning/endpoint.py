@@ -63,7 +63,6 @@ class Endpoint:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))  # loopback only
         self.base_url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
-        self.requests = 0
         self._server = self._task = self._openai = None
 
     def openai(self, api_key: str):
@@ -119,7 +118,6 @@ class Endpoint:
     async def _chat(self, request):
         from starlette.responses import JSONResponse, StreamingResponse
 
-        self.requests += 1
         client = None
         try:
             key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
@@ -135,19 +133,16 @@ class Endpoint:
             max_tokens, tools, messages, stream = self._validate(body, client)
             async with client.lock:
                 message, out = await client.chat_turn(messages, max_tokens=max_tokens, tools=tools)
-        except RequestError as e:
-            if client is not None:
-                client.trajectory.info.setdefault("endpoint_errors", []).append(f"{e.status} {e.code}: {e.message}")
-                client.count(f"endpoint_error/{e.code or e.status}")
-            return JSONResponse(e.body(), status_code=e.status)
-        except Exception as e:  # ContextOverflow and friends: the client's own clear errors
+        except Exception as e:  # refused, or ContextOverflow and friends (the client's own clear errors)
             from .client import ContextOverflow
 
             code = "context_length_exceeded" if isinstance(e, ContextOverflow) else None
-            err = RequestError(400 if code else 500, f"{type(e).__name__}: {e}", "messages" if code else None, code,
-                               "invalid_request_error" if code else "server_error")
-            client.trajectory.info.setdefault("endpoint_errors", []).append(f"{err.status} {err.code}: {e}")
-            client.count(f"endpoint_error/{err.code or err.status}")
+            err = e if isinstance(e, RequestError) else RequestError(
+                400 if code else 500, f"{type(e).__name__}: {e}", "messages" if code else None, code,
+                "invalid_request_error" if code else "server_error")
+            if client is not None:  # recorded in the trajectory and counted
+                client.trajectory.info.setdefault("endpoint_errors", []).append(f"{err.status} {err.code}: {e}")
+                client.count(f"endpoint_error/{err.code or err.status}")
             return JSONResponse(err.body(), status_code=err.status)
         if "unparsed" in message:
             client.trajectory.info.setdefault("unparsed_tool_calls", []).append(message["unparsed"])

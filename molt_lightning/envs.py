@@ -1,11 +1,13 @@
 """Gym-style environments as agent programs: ``reset`` gives the first observation, ``step(action)`` answers a reply.
 
-An ``Environment`` holds one episode's state. ``env_agent(MyEnv)`` turns it into an ordinary agent program
-(``async def agent(client, sample) -> AgentResult``) that the rollout source runs like any other: per agent run it
+An ``Environment`` holds one episode's state. ``EnvAgent(MyEnv)`` turns it into an ordinary agent program (an
+``async __call__(client, sample) -> AgentResult``) that the rollout source runs like any other: per agent run it
 makes one environment (``MyEnv(**env_kwargs)``), chats the first observation to the policy, hands each reply to
 ``step`` and appends the step's observation to the conversation (context, never trained on) until a step is ``done``
-or ``max_turns`` replies were made. ``close`` always runs, also when ``reset`` or ``step`` raised (the run then fails,
-is counted and is not trained on, as for any agent that raises).
+or ``max_turns`` replies were made. In a recipe: ``model.agent: {class_path: molt_lightning.envs.EnvAgent,
+init_args: {environment: pkg.MyEnv, env_kwargs: {}, max_turns: 8, max_tokens: 64}}``. ``close`` always runs, also
+when ``reset`` or ``step`` raised (the run then fails, is counted and is not trained on, as for any agent that
+raises).
 
 - The reward of an episode is the **sum** of its steps' rewards (a reward given only at the end is the usual case).
 - An episode cut at ``max_turns`` is *truncated*: ``info["env_truncated"]`` is True and the trajectory's status is
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +56,8 @@ class Environment(ABC):
         """Release what the episode holds; called once per episode, whatever happened."""
 
 
-def check_environment(env_cls: Any, env_kwargs: dict | None = None, key: str = "model.environment") -> None:
+def check_environment(env_cls: Any, env_kwargs: dict | None = None,
+                      key: str = "model.agent.init_args.environment") -> None:
     """Raise ``ValueError`` naming the fix unless ``env_cls`` is a concrete ``Environment`` taking ``env_kwargs``."""
     name = f"{getattr(env_cls, '__module__', '?')}.{getattr(env_cls, '__qualname__', env_cls)}"
     if not (isinstance(env_cls, type) and issubclass(env_cls, Environment)):
@@ -67,25 +69,32 @@ def check_environment(env_cls: Any, env_kwargs: dict | None = None, key: str = "
     try:
         inspect.signature(env_cls).bind(**(env_kwargs or {}))
     except TypeError as e:
-        raise ValueError(f"{key} {name} cannot be made with env_kwargs {env_kwargs or {}}: {e}; give model.env_kwargs "
+        raise ValueError(f"{key} {name} cannot be made with env_kwargs {env_kwargs or {}}: {e}; give env_kwargs "
                          "the arguments its __init__ takes") from None
 
 
-def env_agent(env_cls: type[Environment], max_turns: int = 8, max_tokens: int = 64,
-              env_kwargs: dict | None = None) -> Callable:
-    """The agent program that plays one episode of ``env_cls(**env_kwargs)`` per run, ``max_tokens`` per reply."""
-    check_environment(env_cls, env_kwargs)
-    if max_turns < 1 or max_tokens < 1:
-        raise ValueError(f"env_max_turns and env_max_tokens must be >= 1, got {max_turns} and {max_tokens}")
-    kwargs = dict(env_kwargs or {})
+class EnvAgent:
+    """The agent program that plays one episode of ``environment(**env_kwargs)`` per run, ``max_tokens`` per reply."""
 
-    async def agent(client, sample) -> AgentResult:
-        env = env_cls(**kwargs)
+    def __init__(self, environment: type, env_kwargs: dict | None = None, max_turns: int = 8,
+                 max_tokens: int = 64):
+        check_environment(environment, env_kwargs)
+        if max_turns < 1 or max_tokens < 1:
+            raise ValueError(f"EnvAgent max_turns and max_tokens must be >= 1, got {max_turns} and {max_tokens}")
+        self.environment, self.env_kwargs = environment, dict(env_kwargs or {})
+        self.max_turns, self.max_tokens = max_turns, max_tokens
+
+    def __repr__(self) -> str:
+        return f"EnvAgent({self.environment.__name__})"
+
+    async def __call__(self, client, sample) -> AgentResult:
+        env_cls, max_turns = self.environment, self.max_turns
+        env = env_cls(**self.env_kwargs)
         try:
             messages = _messages(await env.reset(sample), "user", f"{env_cls.__name__}.reset")
             reward, info, turns, done = 0.0, {}, 0, False
             while not done and turns < max_turns:
-                action = await client.chat(messages, max_tokens=max_tokens)
+                action = await client.chat(messages, max_tokens=self.max_tokens)
                 turns += 1
                 step = await env.step(action)
                 if not isinstance(step, Step):
@@ -102,9 +111,6 @@ def env_agent(env_cls: type[Environment], max_turns: int = 8, max_tokens: int = 
             client.trajectory.status = Status.TRUNCATED
             client.trajectory.reason = f"the environment was not done after max_turns={max_turns}"
         return AgentResult(reward, {**info, "turns": turns, "env_truncated": not done})
-
-    agent.__name__ = agent.__qualname__ = f"env_agent({env_cls.__name__})"
-    return agent
 
 
 def _messages(observation: Observation, role: str, source: str) -> list[dict[str, Any]]:

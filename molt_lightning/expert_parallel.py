@@ -18,7 +18,7 @@ The design is GShard / Megatron-style EP with all-to-all dispatch and combine, o
   dimension (``Shard(0)``) over the same data-parallel mesh FSDP2 uses, so every rank's local block is
   ``gate_up_proj (E/world, 2I, H)`` and ``down_proj (E/world, H, I)``. FSDP2 ignores them (``ignored_params``): they
   are never gathered for compute. Being DTensors, the rest comes for free and stays correct: ``full_tensor()`` in
-  ``parallel.full_state_buckets`` all-gathers the full ``(E, 2I, H)`` / ``(E, H, I)`` tensors for the engine (every
+  ``weights.buckets`` all-gathers the full ``(E, 2I, H)`` / ``(E, H, I)`` tensors for the engine (every
   rank iterates the parameters in the same order), ``clip_grad_norm_`` computes the global norm over all experts, the
   optimizer updates local blocks, and the distributed checkpoint saves shards.
 - **Gradient scale.** The loop multiplies each rank's loss by the world size because FSDP2 averages gradients over

@@ -6,11 +6,9 @@ require grad, so the optimizer (``trainable_parameters``) sees only them, and th
 initializes B = 0, so version 0 equals the base model; it is still served as an adapter, so the path is exercised
 from the first token.
 
-A weight sync (``sync_buckets``, the one place that decides what a sync carries) sends the adapter's tensors only,
-under peft's names (``get_peft_model_state_dict``: ``base_model.model.<module>.lora_A.weight`` ...), in one bucket
-(adapters are small); the engine was launched with the adapter's config (``adapter_of``: peft's ``adapter_config.json``
-content, target modules resolved), so each commit is a complete peft adapter, tagged with the new policy version. A
-full-weight policy syncs every parameter (``parallel.full_state_buckets``) as before.
+A weight sync sends the adapter's tensors only (``weights.buckets``, the one place that decides what a sync carries);
+the engine was launched with the adapter's config (``adapter_of``: peft's ``adapter_config.json`` content, target
+modules resolved), so each update is a complete peft adapter, tagged with the new policy version.
 
 Deliberate limits: FSDP2 with LoRA is refused (``parallel.shard``; DDP and one process work). ``dropout > 0`` makes
 the trainer's recomputed logprobs noisy while the engine samples without dropout, so the importance ratio is no
@@ -22,7 +20,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -89,20 +86,6 @@ def adapter_of(lm: torch.nn.Module) -> Adapter | None:
     config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
     config["inference_mode"] = True  # as peft's save_pretrained writes it: the engine only serves it
     return Adapter(json.loads(json.dumps(config, default=str)))
-
-
-def sync_buckets(lm: torch.nn.Module, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """What a weight sync carries: a LoRA policy's adapter tensors (peft names, one bucket), else every parameter
-    under its HF name, bucket by bucket (``parallel.full_state_buckets``; under FSDP2 every rank must iterate)."""
-    if is_lora(lm):
-        from peft import get_peft_model_state_dict
-
-        # a snapshot (adapters are small): the engine may still be loading it when the next optimizer step runs
-        yield {k: v.detach().clone() for k, v in get_peft_model_state_dict(lm).items()}
-    else:
-        from .parallel import full_state_buckets
-
-        yield from full_state_buckets(lm, bucket_bytes)
 
 
 # checkpoints store the recipe's LoraSpec in their hyperparameters: let torch.load(weights_only=True) (Lightning's

@@ -9,9 +9,8 @@ Ranks and engines (the one place that says it):
   We chose one source over a share of prompts per rank because the staleness bound is about one engine's version and
   one consumption counter: with a single source ``max_lag`` stays exactly what it is in one process, and a rank can
   never run ahead of the engine. The price is one broadcast per step.
-- **Weight sync** gathers full tensors bucket by bucket (``full_state_buckets``: under FSDP2 every rank takes part in
-  each all-gather), and rank 0 stages each bucket into the engine and commits the version at the end, so rank 0
-  holds one bucket of gathered weights at a time rather than a second full model.
+- **Weight sync** (``molt_lightning.weights``) gathers full tensors bucket by bucket (under FSDP2 every rank takes part
+  in each all-gather), and rank 0 stages each bucket into the engine and commits the version at the end.
 - **Gradients**: the loss is normalized by batch-wide counts (``batching.Norm``) and multiplied by the world size,
   because DDP and FSDP2 average gradients over ranks; so the gradient equals the single-process one.
 
@@ -25,7 +24,6 @@ sparse layer's experts over the ranks, with all-to-all dispatch (``expert_parall
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -149,25 +147,3 @@ def all_reduce(t: torch.Tensor, trainer, op=None) -> torch.Tensor:
     if trainer.world_size > 1:
         torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM)
     return t
-
-
-def full_state_buckets(lm: torch.nn.Module, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """The LM's parameters under their Hugging Face names, as full tensors, in buckets of about ``bucket_bytes``.
-
-    Under FSDP2 each parameter is a sharded DTensor and ``full_tensor()`` all-gathers it: every rank must iterate.
-    Tied parameters (embeddings = output head) appear once (``named_parameters`` deduplicates them).
-    """
-    from torch.distributed.tensor import DTensor
-
-    bucket, size = {}, 0
-    for name, p in lm.named_parameters():
-        t = p.detach()
-        if isinstance(t, DTensor):
-            t = t.full_tensor()
-        bucket[name] = t
-        size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = {}, 0
-    if bucket:
-        yield bucket

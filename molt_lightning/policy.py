@@ -66,11 +66,11 @@ class Policy(nn.Module):
         if chunk_tokens < 1:
             raise ValueError(f"logit_chunk_tokens must be >= 1, got {chunk_tokens}")
         if routing not in ROUTING_MODES:
-            raise ValueError(f"model.routing must be one of {ROUTING_MODES}, got {routing!r}")
+            raise ValueError(f"model.moe.routing must be one of {ROUTING_MODES}, got {routing!r}")
         if routing == "replay" and not moe.routers(lm):
-            raise ValueError(f"model.routing=replay replays the experts a mixture-of-experts policy's engine chose, "
-                             f"but {type(lm).__name__} is dense (no router modules): use model.routing: free, or an "
-                             f"MoE policy (e.g. molt_lightning.models.tiny.moe_policy)")
+            raise ValueError(f"model.moe.routing=replay replays the experts a mixture-of-experts policy's engine "
+                             f"chose, but {type(lm).__name__} is dense (no router modules): use model.moe.routing: "
+                             f"free, or an MoE policy (e.g. molt_lightning.models.tiny.moe_policy)")
         if moe.routers(lm) and getattr(lm, "is_gradient_checkpointing", False):
             raise NotImplementedError("a mixture-of-experts policy with activation_checkpointing: the backward pass's "
                                       "recompute would run the routers outside the routing hook (moe.routed wraps the "
@@ -188,15 +188,6 @@ def check_vocab(config, tokenizer, engine=None) -> None:
     if engine_vocab is not None and engine_vocab != config.vocab_size:
         raise ValueError(f"the engine serves a vocabulary of {engine_vocab} tokens, the policy has "
                          f"{config.vocab_size}: start the engine from the policy's own folder")
-
-
-def load_lm(folder: str, dtype: torch.dtype) -> nn.Module:
-    """The policy's LM from a Hugging Face folder: a causal LM, or for a config with a vision tower (LLaVA) the
-    image-text-to-text model (transformers maps those to their own auto class, not ``AutoModelForCausalLM``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    vision = getattr(AutoConfig.from_pretrained(folder), "vision_config", None) is not None
-    return (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(folder, dtype=dtype)
 
 
 def policy_folder(policy: str) -> str:

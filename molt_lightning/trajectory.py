@@ -119,24 +119,37 @@ class Trajectory:
 
 
 @dataclass
+class Outcomes:
+    """Per trajectory of a batch (M of them, in ``Batch.trajectories`` order): what the advantages are made of."""
+
+    rewards: torch.Tensor  # (M,) float32
+    lengths: torch.Tensor  # (M,) long: policy tokens over all of its turns
+    groups: torch.Tensor  # (M,) long: its group (prompt)
+
+    def to(self, device) -> Outcomes:
+        return Outcomes(self.rewards.to(device), self.lengths.to(device), self.groups.to(device))
+
+
+@dataclass
 class Batch:
-    """One training batch: a row per segment, every per-token field aligned with ``input_ids``."""
+    """One training batch: a row per segment, every per-token field aligned with ``input_ids``; ``outcomes`` per
+    trajectory."""
 
     input_ids: torch.Tensor  # (N, T) long, right-padded
     attention_mask: torch.Tensor  # (N, T) bool
     loss_mask: torch.Tensor  # (N, T) bool: policy tokens
     engine_logprobs: torch.Tensor  # (N, T) float32, 0 off the loss mask
     versions: torch.Tensor  # (N, T) long, -1 off the loss mask
-    rewards: torch.Tensor  # (N,) float32, the trajectory's reward on each of its segments
     group_ids: torch.Tensor  # (N,) long
     traj_ids: torch.Tensor  # (N,) long, index of the trajectory in ``trajectories``
     trajectories: list[Trajectory]
+    outcomes: Outcomes
     routing: torch.Tensor | None = None  # (N, T, layers, k) int16 engine experts, NO_RECORD off record; None: dense
-    images: BatchImages | None = None  # VLM: pixel values (M, 3, H, W) and each image's row (M,); None: text only
-    stats: dict[str, float] = field(default_factory=dict)  # rollout-side counters since the previous batch
+    images: BatchImages | None = None  # VLM: pixel values (I, 3, H, W) and each image's row (I,); None: text only
 
     def to(self, device) -> Batch:
-        moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, (torch.Tensor, BatchImages))}
+        moved = {k: v.to(device) for k, v in vars(self).items()
+                 if isinstance(v, (torch.Tensor, BatchImages, Outcomes))}
         return Batch(**{**vars(self), **moved})
 
 
@@ -171,7 +184,7 @@ def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None
             if mask[0]:
                 raise ConsistencyError(f"sample {traj.sample_id}: a segment starts with a policy token (no prompt)")
             _check_row_images(ids, segment_images(seg), traj.sample_id)
-            rows.append((ids, mask, lps, vers, traj.reward, traj.group_id, t_idx, seg))
+            rows.append((ids, mask, lps, vers, traj.group_id, t_idx, seg))
     if not rows:
         raise ConsistencyError("no trainable tokens in this batch")
     width = max(len(r[0]) for r in rows)
@@ -185,12 +198,14 @@ def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None
         loss_mask=padded(1, False, torch.bool),
         engine_logprobs=padded(2, 0.0, torch.float32),
         versions=padded(3, -1, torch.long),
-        rewards=torch.tensor([r[4] for r in rows], dtype=torch.float32),
-        group_ids=torch.tensor([r[5] for r in rows], dtype=torch.long),
-        traj_ids=torch.tensor([r[6] for r in rows], dtype=torch.long),
+        group_ids=torch.tensor([r[4] for r in rows], dtype=torch.long),
+        traj_ids=torch.tensor([r[5] for r in rows], dtype=torch.long),
         trajectories=trajectories,
-        routing=_routing([r[7] for r in rows], width),
-        images=collate_images([segment_images(r[7]) for r in rows]),
+        outcomes=Outcomes(rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+                          lengths=torch.tensor([t.num_policy_tokens for t in trajectories], dtype=torch.long),
+                          groups=torch.tensor([t.group_id for t in trajectories], dtype=torch.long)),
+        routing=_routing([r[6] for r in rows], width),
+        images=collate_images([segment_images(r[6]) for r in rows]),
     )
     return batch
 

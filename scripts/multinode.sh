@@ -44,8 +44,8 @@ case "${1:-}" in
     export ENGINES=http://127.0.0.1:18100,http://127.0.0.1:18101 CHANNEL=shm  # one machine: files in /dev/shm
     "$PYTHON" -m molt_lightning.cli fit --config "$RECIPE" $(pool_args) --trainer.strategy ddp \
       --trainer.devices 2 --trainer.max_steps "$STEPS" --trainer.logger false --trainer.enable_checkpointing false \
-      --model.group_size 4 \
-      --model.prompts_per_step 4 --model.torch_threads 1
+      --model.rollout.group_size 4 \
+      --model.rollout.prompts_per_step 4 --model.torch_threads 1
     ;;
   server)
     : "${MOLT_API_KEY:?set MOLT_API_KEY, the token the trainer will send}"

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))  # the tests' shared helpers (invariant, modules, ...)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -41,9 +44,9 @@ def vllm_engine(policy_path):
 
 @pytest.fixture(scope="session")
 def molt_servers(policy_path):
-    """Two vLLM servers (``molt_lightning.serve.LocalServer``, loopback, a core each), stopped at the session's end."""
+    """Two vLLM servers (``engines.server.LocalServer``, loopback, a core each), stopped at the session's end."""
     pytest.importorskip("vllm")
-    from molt_lightning.serve import LocalServer
+    from molt_lightning.engines.server import LocalServer
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     servers = []

@@ -55,8 +55,13 @@ def test_recipe_algorithm_trains(recipe, tmp_path, policy_path):
 def test_ppo_value_head_shares_the_trunk_trains_and_stays_out_of_the_engine(tmp_path):
     module = make(Algorithm(advantage="gae", lam=0.95))
     pushed = []
-    original = module.source.stage_weights
-    module.source.stage_weights = lambda bucket: (pushed.append(set(bucket)), original(bucket))[1]
+    original = module.engine.stage_weights
+
+    async def stage_weights(bucket):
+        pushed.append(set(bucket))
+        await original(bucket)
+
+    module.engine.stage_weights = stage_weights
     df = fit(module, tmp_path, steps=3)
     head = module.policy.value_head
     assert head is not None and head.weight.abs().sum() > 0  # zero-initialized, then trained
@@ -84,8 +89,8 @@ def test_dynamic_sampling_drops_zero_variance_groups_counts_them_and_refills(tmp
     module = make(Algorithm(group_filter="nonzero_std"))
     df = fit(module, tmp_path, steps=3, callbacks=[batches])
     counts = module.source.counts
-    assert counts["dropped_filtered_groups"] > 0  # the warm start answers ~15% right: most groups of 4 are all 0
-    assert counts["dropped_filtered_samples"] == 4 * counts["dropped_filtered_groups"]
+    assert counts.dropped_filtered_groups > 0  # the warm start answers ~15% right: most groups of 4 are all 0
+    assert counts.dropped_filtered_samples == 4 * counts.dropped_filtered_groups
     for _, b in batches.seen:  # (policy version, batch)
         groups = {}
         for t in b.trajectories:
@@ -105,7 +110,7 @@ def test_dynamic_sampling_gives_up_loudly(tmp_path, monkeypatch):
     module = make(Algorithm(group_filter="reject_all"))
     with pytest.raises(RuntimeError, match="the rollout producer died"):
         fit(module, tmp_path, steps=1)
-    assert module.source.counts["dropped_filtered_groups"] >= 2
+    assert module.source.counts.dropped_filtered_groups >= 2
 
 
 @pytest.mark.parametrize("form", ["decoupled", "bypass"])
@@ -127,20 +132,17 @@ def test_logprobs_and_entropy_by_hand():
 
 
 def test_filtered_groups_are_counted_with_their_reward():
-    from types import SimpleNamespace
-
+    from molt_lightning.config import Rollout
     from molt_lightning.rollout import RolloutSource
     from molt_lightning.trajectory import Trajectory
 
-    source = RolloutSource(agent=None, tasks=None, group_size=2, group_filter=GROUP_FILTERS["nonzero_std"])
-    source.engine = SimpleNamespace(take_stats=lambda: {})
+    source = RolloutSource(None, None, Rollout(group_size=2), group_filter=GROUP_FILTERS["nonzero_std"])
     source._reject(0, [Trajectory(0, 0, reward=1.0), Trajectory(0, 0, reward=1.0)])
     source._reject(1, [Trajectory(1, 1, reward=-0.5), Trajectory(1, 1, reward=-0.5)])
-    stats = source.take_stats()
-    assert stats["new/dropped_filtered_groups"] == 2 and stats["new/dropped_filtered_samples"] == 4
-    assert stats["filtered_reward_sum"] == pytest.approx(2 * 1.0 + 2 * -0.5)  # since the previous call only
-    assert source.take_stats()["filtered_reward_sum"] == 0.0
-    assert source._next_prompt == 2  # both prompts are done (not retried); their slots are free for new ones
+    counts = source.counts_now()
+    assert counts.dropped_filtered_groups == 2 and counts.dropped_filtered_samples == 4
+    assert counts.filtered_reward_sum == pytest.approx(2 * 1.0 + 2 * -0.5)
+    assert source.admission.next_prompt == 2  # both prompts are done (not retried); their slots are free for new ones
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])

@@ -26,8 +26,9 @@ trainer: {accelerator: cpu, devices: 1, max_steps: 1, logger: false, enable_chec
           enable_progress_bar: false}
 model:
   engine: molt_lightning.engines.TorchEngine
-  group_size: 2
-  prompts_per_step: 2
+  agent: molt_lightning.tasks.arithmetic.calculator_agent
+  tasks: molt_lightning.tasks.arithmetic.tasks
+  rollout: {group_size: 2, prompts_per_step: 2}
   torch_threads: 1
 """
 
@@ -58,15 +59,15 @@ def answer(capsys, *args: str) -> str:
 # ----- the recipe file -----
 def test_yaml_syntax_error_names_the_file_the_line_and_the_fix(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model:\n  group_size: 2\n   prompts_per_step: 2\n")
+    bad.write_text("model:\n  rollout:\n    group_size: 2\n     prompts_per_step: 2\n")
     err = answer(capsys, "--config", str(bad))
-    assert f"in {bad}, line 3, column 20" in err
+    assert f"in {bad}, line 4, column 22" in err
     assert "fix: the recipe is not valid YAML" in err and "indenting" in err
 
 
 def test_the_shell_sees_a_few_lines_not_a_page_of_usage(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model:\n  group_size: [2\n")
+    bad.write_text("model:\n  rollout: {group_size: [2\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-m", "molt_lightning.cli", "fit", "--config", str(bad)], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=120)
@@ -77,17 +78,27 @@ def test_the_shell_sees_a_few_lines_not_a_page_of_usage(tmp_path):
 
 def test_unknown_top_level_key_suggests_the_right_one(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("modle:\n  group_size: 2\n")
+    bad.write_text("modle:\n  rollout:\n    group_size: 2\n")
     err = answer(capsys, "--config", str(bad))
-    assert "does not accept option 'modle.group_size'" in err and "did you mean model.group_size?" in err
+    assert "does not accept option 'modle.rollout.group_size'" in err
+    assert "did you mean model.rollout.group_size?" in err
 
 
 @pytest.mark.parametrize("where", ["recipe", "flag"])
 def test_unknown_model_key_suggests_the_right_one(tmp_path, capsys, where):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model:\n  group_sise: 2\n")
-    err = answer(capsys, "--config", str(bad)) if where == "recipe" else answer(capsys, "--model.group_sise", "2")
-    assert "group_sise" in err and "did you mean model.group_size?" in err and "molt fit --help" in err
+    bad.write_text("model:\n  rollout:\n    group_sise: 2\n")
+    err = answer(capsys, "--config", str(bad)) if where == "recipe" else \
+        answer(capsys, "--model.rollout.group_sise", "2")
+    assert "group_sise" in err and "did you mean model.rollout.group_size?" in err and "molt fit --help" in err
+
+
+@pytest.mark.parametrize("old, new", [("group_size", "rollout.group_size"), ("lr", "optim.lr"),
+                                      ("micro_batch_tokens", "batching.micro_batch_tokens"),
+                                      ("routing", "moe.routing")])
+def test_a_key_from_before_the_grouping_names_its_group(capsys, old, new):
+    err = answer(capsys, f"--model.{old}", "2")
+    assert f"did you mean model.{new}?" in err, err
 
 
 def test_unknown_init_arg_names_what_the_class_takes(capsys):
@@ -141,6 +152,13 @@ def test_an_agent_with_the_wrong_parameters(recipe, capsys):
     assert "model.agent tests.test_bad_inputs.agent_without_sample must take (client, sample)" in err
 
 
+def test_a_recipe_without_agent_or_tasks_is_told_what_they_are(capsys):
+    err = answer(capsys, "--model.engine", "molt_lightning.engines.TorchEngine")
+    assert "required: fit.model.agent, fit.model.tasks" in err
+    assert "fix: model.agent takes the dotted path of an `async def agent(client, sample) -> reward`" in err
+    assert "model.tasks takes the dotted path of a function `tasks(seed)`" in err
+
+
 async def agent_without_sample(client):
     return 0.0
 
@@ -152,14 +170,14 @@ def test_a_folder_that_is_no_model(recipe, tmp_path, capsys):
 
 # ----- wrong types and ranges -----
 @pytest.mark.parametrize("flag, value, problem", [
-    ("--model.group_size", "abc", "Expected a <class 'int'>. Got value: abc"),
-    ("--model.lr", "fast", "Expected a <class 'float'>. Got value: fast"),
-    ("--model.group_size", "0", "model.group_size must be >= 1, got 0"),
-    ("--model.prompts_per_step", "-2", "model.prompts_per_step must be >= 1, got -2"),
-    ("--model.max_lag", "-1", "model.max_lag must be >= 0, got -1"),
-    ("--model.logit_chunk_tokens", "0", "model.logit_chunk_tokens must be >= 1, got 0"),
-    ("--model.temperature", "0", "temperature must be > 0"),
-    ("--model.mini_batches", "0", "model.mini_batches must be >= 1, got 0"),
+    ("--model.rollout.group_size", "abc", "Expected a <class 'int'>. Got value: abc"),
+    ("--model.optim.lr", "fast", "Expected a <class 'float'>. Got value: fast"),
+    ("--model.rollout.group_size", "0", "model.rollout.group_size must be >= 1, got 0"),
+    ("--model.rollout.prompts_per_step", "-2", "model.rollout.prompts_per_step must be >= 1, got -2"),
+    ("--model.rollout.max_lag", "-1", "model.rollout.max_lag must be >= 0, got -1"),
+    ("--model.batching.logit_chunk_tokens", "0", "model.batching.logit_chunk_tokens must be >= 1, got 0"),
+    ("--model.rollout.temperature", "0", "temperature must be > 0"),
+    ("--model.batching.mini_batches", "0", "model.batching.mini_batches must be >= 1, got 0"),
     ("--model.dtype", "float17", "model.dtype 'float17' is not a torch floating-point dtype: use float32, bfloat16"),
     ("--model.algo.advantage", "nope", "unknown advantage 'nope': use one of ['dr_grpo'"),
     ("--trainer.strategy", "fsdp", "'fsdp' is not supported: use auto (one process), ddp, fsdp2"),
@@ -178,7 +196,9 @@ def test_a_tokenizer_larger_than_the_embeddings(tmp_path, policy_path, tokenizer
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
     LlamaForCausalLM(cfg).save_pretrained(folder)
     tokenizer.save_pretrained(folder)  # 291 tokens: ids 200-290 have no embedding row
-    err = answer(capsys, "--model.policy", str(folder), "--model.engine", "molt_lightning.engines.TorchEngine")
+    err = answer(capsys, "--model.policy", str(folder), "--model.engine", "molt_lightning.engines.TorchEngine",
+                 "--model.agent", "molt_lightning.tasks.arithmetic.calculator_agent",
+                 "--model.tasks", "molt_lightning.tasks.arithmetic.tasks")
     assert f"the tokenizer in {folder} has {len(tokenizer)} tokens but the policy's embeddings hold 200" in err
     assert "Save the model's own tokenizer beside it, or resize the embeddings" in err
 

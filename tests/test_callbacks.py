@@ -8,7 +8,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from molt_lightning.callbacks import RolloutSamples, StepProgressBar, WeightSync
 from molt_lightning.engines import TorchEngine
-from molt_lightning.module import AsyncRLModule
+from modules import make_module
 
 
 def test_rollout_samples_and_sync_every_k(tmp_path):
@@ -16,13 +16,13 @@ def test_rollout_samples_and_sync_every_k(tmp_path):
 
     class CountingSync(WeightSync):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            pl_module.source.settle_weights()  # a push returns before the engine has loaded the weights
+            pl_module.weights.settle()  # a push returns before the engine has loaded the weights
             before = pl_module.engine.version
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-            pl_module.source.settle_weights()
+            pl_module.weights.settle()
             pushes.append((trainer.global_step, before, pl_module.engine.version))
 
-    module = AsyncRLModule(engine=TorchEngine(), group_size=2, prompts_per_step=2, max_lag=2)
+    module = make_module(engine=TorchEngine(), group_size=2, prompts_per_step=2, max_lag=2)
     trainer = L.Trainer(max_steps=4, accelerator="cpu", logger=CSVLogger(tmp_path), log_every_n_steps=1,
                         callbacks=[RolloutSamples(every_n_steps=2, per_step=1), CountingSync(every_n_steps=2)],
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -38,7 +38,7 @@ def test_rollout_samples_and_sync_every_k(tmp_path):
 
 
 def test_sync_cadence_that_would_stall_is_refused(tmp_path):
-    module = AsyncRLModule(engine=TorchEngine(), group_size=2, prompts_per_step=2, max_lag=0)
+    module = make_module(engine=TorchEngine(), group_size=2, prompts_per_step=2, max_lag=0)
     trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, callbacks=[WeightSync(every_n_steps=2)],
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError, match="every_n_steps <= max_lag \\+ 1"):
@@ -50,7 +50,7 @@ def test_a_sync_that_never_pushes_fails_loudly_instead_of_hanging(tmp_path):
         def on_train_batch_end(self, *args):
             pass
 
-    module = AsyncRLModule(engine=TorchEngine(), group_size=2, prompts_per_step=2, max_lag=1)
+    module = make_module(engine=TorchEngine(), group_size=2, prompts_per_step=2, max_lag=1)
     trainer = L.Trainer(max_steps=4, accelerator="cpu", logger=False, callbacks=[SilentSync()],
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(RuntimeError, match="engine serves policy version 0 but the trainer is at 2"):
@@ -60,7 +60,7 @@ def test_a_sync_that_never_pushes_fails_loudly_instead_of_hanging(tmp_path):
 
 def test_progress_bar_shows_step_reward_and_lag(tmp_path):
     bar = StepProgressBar()
-    module = AsyncRLModule(engine=TorchEngine(), group_size=2, prompts_per_step=2, max_lag=1)
+    module = make_module(engine=TorchEngine(), group_size=2, prompts_per_step=2, max_lag=1)
     trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=CSVLogger(tmp_path), callbacks=[bar],
                         enable_checkpointing=False, enable_model_summary=False)
     trainer.fit(module)
@@ -81,7 +81,7 @@ def test_step_time_split_puts_slow_callbacks_in_overhead(tmp_path):
             if trainer.global_step % 2:
                 time.sleep(0.3)
 
-    module = AsyncRLModule(engine=TorchEngine(), group_size=2, prompts_per_step=2, max_lag=1)
+    module = make_module(engine=TorchEngine(), group_size=2, prompts_per_step=2, max_lag=1)
     trainer = L.Trainer(max_steps=6, accelerator="cpu", logger=CSVLogger(tmp_path), log_every_n_steps=1,
                         callbacks=[Slow()], enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)

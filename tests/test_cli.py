@@ -33,7 +33,7 @@ def test_help_answers_without_importing_vllm():
             "print('VLLM-IMPORTED' if 'vllm' in sys.modules else 'NO-VLLM')")
     out = run("-c", code)
     assert out.returncode == 0, out.stderr
-    assert "--model.max_lag" in out.stdout and "--trainer.max_steps" in out.stdout
+    assert "--model.rollout.max_lag" in out.stdout and "--trainer.max_steps" in out.stdout
     assert out.stdout.strip().endswith("NO-VLLM")
 
 

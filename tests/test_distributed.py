@@ -18,9 +18,24 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def grouped(model: dict) -> dict:
+    """Flat model settings (``max_lag=0``) in the records that hold them (``rollout: {max_lag: 0}``)."""
+    from dataclasses import fields
+
+    from molt_lightning.config import Batching, MoE, Optim, Rollout
+
+    out = dict(model)
+    for key, cls in (("rollout", Rollout), ("optim", Optim), ("batching", Batching), ("moe", MoE)):
+        mine = {f.name: out.pop(f.name) for f in fields(cls) if f.name in out}
+        if mine:
+            out[key] = mine
+    return out
+
+
 def fit(tmp_path: Path, strategy: str, steps: int, name: str = "run", ckpt: str | None = None,
-        engine: dict | None = None, **model) -> Path:
+        engine: dict | None = None, bucket_mb: int = 256, **model) -> Path:
     probe = tmp_path / f"probe-{name}"
+    model = grouped({"group_size": 4, "prompts_per_step": 4, "lr": 3.0e-4, **model})
     config = {
         "seed_everything": 0,
         "trainer": {
@@ -30,12 +45,14 @@ def fit(tmp_path: Path, strategy: str, steps: int, name: str = "run", ckpt: str 
                        "init_args": {"save_dir": str(tmp_path), "name": name}},
             "callbacks": [
                 {"class_path": "dist_probe.Probe", "init_args": {"out": str(probe)}},
+                {"class_path": "molt_lightning.callbacks.WeightSync", "init_args": {"bucket_mb": bucket_mb}},
                 {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                  "init_args": {"dirpath": str(tmp_path / "ckpt"), "every_n_train_steps": 1, "save_last": True}},
             ],
         },
         "model": {"engine": engine or {"class_path": "molt_lightning.engines.TorchEngine", "init_args": {"seed": 0}},
-                  "group_size": 4, "prompts_per_step": 4, "torch_threads": 1, "lr": 3.0e-4, **model},
+                  "agent": "molt_lightning.tasks.arithmetic.calculator_agent",
+                  "tasks": "molt_lightning.tasks.arithmetic.tasks", "torch_threads": 1, **model},
     }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -146,7 +163,7 @@ def test_fsdp2_with_vllm_syncs_every_bucket(tmp_path):
     """Rank 0's in-process vLLM engine under FSDP2, weights sent in many small buckets (one safetensors file each):
     at max_lag=0 the IS ratio is 1 only if vLLM serves exactly the gathered weights of every version."""
     vllm = {"class_path": "molt_lightning.engines.VLLMEngine", "init_args": {"seed": 0, "cpu_threads": "1"}}
-    probe = fit(tmp_path, "fsdp2", steps=3, engine=vllm, max_lag=0, sync_bucket_mb=1)
+    probe = fit(tmp_path, "fsdp2", steps=3, engine=vllm, max_lag=0, bucket_mb=1)
     steps0, steps1 = records(probe, 0, "step"), records(probe, 1, "step")
     assert [r["version"] for r in steps0] == [r["version"] for r in steps1] == [0, 1, 2]
     for a, b in zip(steps0, steps1):

@@ -19,7 +19,7 @@ from molt_lightning.chat import ChatTemplate
 from molt_lightning.client import AgentClient
 from molt_lightning.endpoint import Endpoint
 from molt_lightning.engines import TorchEngine
-from molt_lightning.module import AsyncRLModule
+from molt_lightning import AsyncRLModule, Optim, Rollout
 from molt_lightning.tasks import python_tool
 from molt_lightning.trajectory import Kind, Trajectory
 
@@ -196,9 +196,9 @@ def test_openai_client_agent_trains_only_on_engine_tokens(kind, tool_policy, tmp
 
     engine = _engine(kind)
     records, batches = record_generations(engine, monkeypatch), Batches()
-    module = AsyncRLModule(policy="molt_lightning.models.tiny.python_tool_policy", agent=python_tool.openai_agent,
-                           tasks=python_tool.tasks, engine=engine, group_size=8, prompts_per_step=4, max_lag=1, lr=3e-4,
-                           task_seed=1)
+    module = AsyncRLModule(python_tool.openai_agent, python_tool.tasks,
+                           policy="molt_lightning.models.tiny.python_tool_policy", engine=engine, optim=Optim(lr=3e-4),
+                           rollout=Rollout(group_size=8, prompts_per_step=4, max_lag=1, task_seed=1))
     trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=CSVLogger(tmp_path), log_every_n_steps=1,
                         enable_checkpointing=False, callbacks=[batches], enable_progress_bar=False,
                         enable_model_summary=False)
@@ -208,7 +208,7 @@ def test_openai_client_agent_trains_only_on_engine_tokens(kind, tool_policy, tmp
     assert tool_turns > 0, "no trained trajectory called the python tool"
     trajectories = [t for _, b in batches.seen for t in b.trajectories]
     assert all("endpoint_errors" not in t.info for t in trajectories)
-    assert module.source.counts["status_failed"] == 0
+    assert module.source.counts.failed == 0
 
 
 @needs_bwrap
@@ -222,10 +222,10 @@ def test_python_tool_recipe_runs_through_the_cli(tool_policy, tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "molt_lightning.cli", "fit", "--config", "recipes/python_tool.yaml",
          "--model.engine", "molt_lightning.engines.TorchEngine", "--trainer.max_steps", "2",
-         "--model.prompts_per_step", "4", "--trainer.logger.init_args.save_dir", str(tmp_path)],
+         "--model.rollout.prompts_per_step", "4", "--trainer.logger.init_args.save_dir", str(tmp_path)],
         cwd=root, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     [run_dir] = list((tmp_path / "python_tool").iterdir())
     df = pd.read_csv(run_dir / "metrics.csv")
     assert sorted(df["step"].dropna().unique()) == [0, 1]
-    assert df["samples/status_failed"].dropna().sum() == 0
+    assert df["samples/failed"].dropna().sum() == 0

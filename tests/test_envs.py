@@ -1,4 +1,4 @@
-"""Gym-style environments (``molt_lightning.envs``): trained end to end through ``AsyncRLModule(environment=...)``,
+"""Gym-style environments (``molt_lightning.envs``): trained end to end as the agent ``envs.EnvAgent``,
 observations as context never trained on, summed rewards, ``close`` after every episode (a raising one too),
 ``max_turns`` truncation, ``CalculatorEnv`` token for token the same as ``calculator_agent``, the recipe through the
 CLI, and the bad inputs."""
@@ -22,8 +22,7 @@ import torch
 from molt_lightning.chat import ChatTemplate
 from molt_lightning.client import AgentClient
 from molt_lightning.engines import TorchEngine
-from molt_lightning.envs import Environment, Step, env_agent
-from molt_lightning.module import AsyncRLModule
+from molt_lightning.envs import EnvAgent, Environment, Step
 from molt_lightning.rollout import request_seed
 from molt_lightning.tasks import arithmetic
 from molt_lightning.tasks.arithmetic_env import MAX_TOKENS, MAX_TURNS, CalculatorEnv
@@ -31,6 +30,7 @@ from molt_lightning.trajectory import Kind, Status, Trajectory
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 from invariant import trained_runs  # noqa: E402
+from modules import make_module  # noqa: E402
 from scripted import ScriptedEngine  # noqa: E402
 from test_bad_inputs import answer  # noqa: E402  (``molt fit`` must stop with a short error)
 
@@ -98,15 +98,16 @@ def test_environment_trains_end_to_end(tmp_path, monkeypatch, tokenizer, caplog)
     EPISODES.clear()
     engine, batches = TorchEngine(seed=0), Batches()
     generations = record_generations(engine, monkeypatch)
-    module = AsyncRLModule(environment=ScoredEnv, env_kwargs={"fail_every": 5}, env_max_turns=2, env_max_tokens=16,
-                           engine=engine, group_size=4, prompts_per_step=3, max_lag=1, lr=3e-4, max_failure_rate=1.0)
+    agent = EnvAgent(ScoredEnv, {"fail_every": 5}, max_turns=2, max_tokens=16)
+    module = make_module(agent=agent, engine=engine, group_size=4, prompts_per_step=3, max_lag=1, lr=3e-4,
+                         max_failure_rate=1.0)
     with caplog.at_level(logging.WARNING, logger="molt_lightning.rollout"):
         fit(module, tmp_path, steps=3, callbacks=[batches])
 
     # close() ran exactly once for every episode, the ones whose step raised and the ones cancelled at the end too
     assert EPISODES and all(rec["closed"] == 1 for rec in EPISODES.values())
     raised = {ep for ep, rec in EPISODES.items() if rec["raised"]}
-    assert raised and 1 <= module.source.counts["status_failed"] <= len(raised)  # failed runs are counted
+    assert raised and 1 <= module.source.counts.failed <= len(raised)  # failed runs are counted
     assert "agent raised RuntimeError: step broke" in caplog.text
 
     kinds = set()
@@ -116,7 +117,8 @@ def test_environment_trains_end_to_end(tmp_path, monkeypatch, tokenizer, caplog)
             ep = traj.info["episode"]
             rec = EPISODES[ep]
             assert ep not in raised
-            assert traj.reward == pytest.approx(sum(rec["rewards"])) == float(b.rewards[row])  # summed step rewards
+            # summed step rewards
+            assert traj.reward == pytest.approx(sum(rec["rewards"])) == float(b.outcomes.rewards[b.traj_ids[row]])
             assert traj.info["turns"] == len(rec["rewards"])
             truncated = rec["rewards"][-1] != 1.0  # still going after env_max_turns=2 replies
             assert traj.info["env_truncated"] is truncated
@@ -173,9 +175,9 @@ def test_bad_steps_fail_the_run_with_the_reason_and_still_close(tokenizer):
     engine = ScriptedEngine(itertools.repeat(t.encode("ANSWER 1") + [t.eos_id]))
     sample = {"question": "What is 1+1?", "answer": 2}
     with pytest.raises(TypeError, match="NotAStep.step returned dict, not a Step"):
-        play(env_agent(NotAStep), engine, t, sample)
+        play(EnvAgent(NotAStep), engine, t, sample)
     with pytest.raises(ValueError, match=r"got None: return one from NoObservation.step \(or end the episode with"):
-        play(env_agent(NoObservation), engine, t, sample)
+        play(EnvAgent(NoObservation), engine, t, sample)
     assert NoObservation.closed == 1
 
 
@@ -185,8 +187,8 @@ def test_calculator_env_at_max_turns_is_the_agent_plus_a_truncation_mark(tokeniz
     sample = arithmetic.make_problem(random.Random(0))
     calc = t.encode("CALC 2*3") + [t.eos_id]
     agent_traj, agent_reward = play(arithmetic.calculator_agent, ScriptedEngine(itertools.repeat(calc)), t, sample)
-    env_traj, result = play(env_agent(CalculatorEnv, MAX_TURNS, MAX_TOKENS), ScriptedEngine(itertools.repeat(calc)),
-                            t, sample)
+    calculator_env = EnvAgent(CalculatorEnv, max_turns=MAX_TURNS, max_tokens=MAX_TOKENS)
+    env_traj, result = play(calculator_env, ScriptedEngine(itertools.repeat(calc)), t, sample)
     assert env_traj.segments == agent_traj.segments and len(env_traj.segments[0]) == 2 * MAX_TURNS
     assert agent_reward == result.reward == 0.0
     assert result.info == {"turns": MAX_TURNS, "env_truncated": True}
@@ -198,7 +200,8 @@ def test_calculator_env_makes_the_same_tokens_as_calculator_agent(policy_path, t
     """The same seeded requests to the torch engine, one run at a time: identical trajectories and rewards."""
     engine, template = TorchEngine(seed=0), ChatTemplate(tokenizer)
     engine.launch(policy_path)
-    agents = {"agent": arithmetic.calculator_agent, "env": env_agent(CalculatorEnv, MAX_TURNS, MAX_TOKENS)}
+    agents = {"agent": arithmetic.calculator_agent,
+              "env": EnvAgent(CalculatorEnv, max_turns=MAX_TURNS, max_tokens=MAX_TOKENS)}
     runs = {name: [] for name in agents}
     try:
         for sample_id, sample in zip(range(12), arithmetic.tasks(0)):
@@ -224,7 +227,7 @@ def test_the_recipe_runs_through_the_cli(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(
         [sys.executable, "-m", "molt_lightning.cli", "fit", "--config", "recipes/calculator_env.yaml",
-         "--trainer.max_steps", "2", "--model.group_size", "4", "--model.prompts_per_step", "4",
+         "--trainer.max_steps", "2", "--model.rollout.group_size", "4", "--model.rollout.prompts_per_step", "4",
          "--trainer.logger.init_args.save_dir", str(tmp_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -241,8 +244,8 @@ trainer: {{accelerator: cpu, max_steps: 1, logger: false, enable_checkpointing: 
           default_root_dir: {root}}}
 model:
   engine: molt_lightning.engines.TorchEngine
-  group_size: 2
-  prompts_per_step: 2
+  tasks: molt_lightning.tasks.arithmetic.tasks
+  rollout: {{group_size: 2, prompts_per_step: 2}}
   policy: {policy}
 """
 
@@ -255,35 +258,33 @@ def recipe(tmp_path, policy_path, monkeypatch):
     return str(path)
 
 
-async def other_agent(client, sample):
-    return 0.0
+def env_agent_arg(environment: str, **init_args) -> list[str]:
+    import json
+
+    spec = {"class_path": "molt_lightning.envs.EnvAgent", "init_args": {"environment": environment, **init_args}}
+    return ["--model.agent", json.dumps(spec)]
 
 
 @pytest.mark.parametrize("args, problem", [
-    (["--model.environment", "molt_lightning.engines.TorchEngine"],
-     "model.environment molt_lightning.engines.torch_engine.TorchEngine is not an Environment: give the dotted path "
-     "of a class that subclasses molt_lightning.envs.Environment"),
-    (["--model.environment", "molt_lightning.envs.Environment"],
-     "model.environment molt_lightning.envs.Environment is abstract: implement reset, step"),
-    (["--model.environment", "molt_lightning.tasks.arithmetic.tasks"],
-     "fix: model.environment takes the dotted path of a molt_lightning.envs.Environment subclass"),
-    (["--model.environment", "molt_lightning.tasks.arithmetic_env.NoSuchEnv"],
-     "fix: model.environment takes the dotted path of a molt_lightning.envs.Environment subclass"),
-    (["--model.environment", "molt_lightning.tasks.arithmetic_env.CalculatorEnv", "--model.env_kwargs", "{size: 3}"],
+    (env_agent_arg("molt_lightning.engines.TorchEngine"),
+     "model.agent.init_args.environment molt_lightning.engines.torch_engine.TorchEngine is not an Environment: give "
+     "the dotted path of a class that subclasses molt_lightning.envs.Environment"),
+    (env_agent_arg("molt_lightning.envs.Environment"),
+     "model.agent.init_args.environment molt_lightning.envs.Environment is abstract: implement reset, step"),
+    (env_agent_arg("molt_lightning.tasks.arithmetic_env.NoSuchEnv"),
+     "fix: model.agent takes the dotted path of an `async def agent(client, sample) -> reward`"),
+    (env_agent_arg("molt_lightning.tasks.arithmetic_env.CalculatorEnv", env_kwargs={"size": 3}),
      "CalculatorEnv cannot be made with env_kwargs {'size': 3}"),
-    (["--model.environment", "molt_lightning.tasks.arithmetic_env.CalculatorEnv", "--model.agent",
-      "tests.test_envs.other_agent"],
-     "model.agent and model.environment are both set: give one of them (drop model.agent"),
-    (["--model.environment", "molt_lightning.tasks.arithmetic_env.CalculatorEnv", "--model.env_max_turns", "0"],
-     "env_max_turns and env_max_tokens must be >= 1, got 0 and 64"),
+    (env_agent_arg("molt_lightning.tasks.arithmetic_env.CalculatorEnv", max_turns=0),
+     "EnvAgent max_turns and max_tokens must be >= 1, got 0 and 64"),
 ])
 def test_a_bad_environment_is_answered_before_anything_starts(recipe, capsys, args, problem):
     err = answer(capsys, "--config", recipe, *args)
     assert problem in err, err
 
 
-def test_both_agent_and_environment_in_python():
-    with pytest.raises(ValueError, match="model.agent and model.environment are both set"):
-        AsyncRLModule(agent=other_agent, environment=CalculatorEnv)
+def test_a_bad_environment_in_python():
     with pytest.raises(ValueError, match="is not an Environment"):
-        AsyncRLModule(environment=arithmetic.calculator_agent)
+        EnvAgent(arithmetic.calculator_agent)
+    with pytest.raises(ValueError, match="cannot be made with env_kwargs"):
+        EnvAgent(CalculatorEnv, {"size": 3})

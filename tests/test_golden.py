@@ -1,6 +1,6 @@
 """The golden run: five steps of the default task on the torch engine, at ``max_lag`` 0 and 1, with the per-request
-seeds, pinned to 1e-6 (per-step reward, loss and gradient norm, the prompts and policy tokens trained, and two checksums of the final
-weights).
+seeds, pinned to 1e-6 (per-step reward, loss and gradient norm, the prompts and policy tokens trained, and two
+checksums of the final weights).
 
 A renovation must not change what the loop computes: this test fails on any change of behaviour (which prompts a
 batch holds, which weights sampled them, the loss, the optimizer). The values in ``golden.json`` were written at
@@ -25,8 +25,9 @@ from pathlib import Path
 import lightning as L
 import pytest
 
+from molt_lightning import AsyncRLModule, Optim, Rollout
 from molt_lightning.engines import TorchEngine
-from molt_lightning.module import AsyncRLModule
+from molt_lightning.tasks.arithmetic import calculator_agent, tasks
 
 GOLDEN = Path(__file__).parent / "golden.json"
 STEPS, G, P = 5, 8, 8
@@ -50,7 +51,7 @@ def drain(module: AsyncRLModule, max_lag: int) -> None:
     take = source.next_batch
 
     def next_batch(version: int):
-        source.settle_weights()  # the engine serves ``version`` (the push of the last step has landed)
+        module.weights.settle()  # the engine serves ``version`` (the push of the last step has landed)
         deadline = time.monotonic() + 120
         while True:
             with source._cond:
@@ -70,8 +71,8 @@ def checksums(module: AsyncRLModule) -> dict[str, float]:
 
 def golden_run(tmp_path, max_lag: int) -> dict:
     L.seed_everything(0, verbose=False)
-    module = AsyncRLModule(engine=TorchEngine(seed=0), group_size=G, prompts_per_step=P, max_lag=max_lag, lr=3e-4,
-                           task_seed=0)
+    module = AsyncRLModule(calculator_agent, tasks, engine=TorchEngine(seed=0), optim=Optim(lr=3e-4),
+                           rollout=Rollout(group_size=G, prompts_per_step=P, max_lag=max_lag, task_seed=0))
     drain(module, max_lag)
     record = Record()
     L.Trainer(max_steps=STEPS, accelerator="cpu", logger=False, callbacks=[record], enable_checkpointing=False,

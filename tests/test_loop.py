@@ -18,14 +18,16 @@ from lightning.pytorch.loggers import CSVLogger
 
 from molt_lightning.engines import TorchEngine
 from molt_lightning.module import AsyncRLModule
-from molt_lightning.tasks.arithmetic import calculator_agent
+from molt_lightning.config import Rollout
+from molt_lightning.tasks.arithmetic import calculator_agent, tasks
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 from invariant import Batches, check_trained_tokens, record_generations  # noqa: E402
+from modules import make_module  # noqa: E402
 
 NAMED_METRICS = [  # what issue #2 asks every step to log
     "reward", "reward/std", "lag", "lag/max", "is/ratio_mean", "is/ratio_min", "is/ratio_max", "mismatch/kl",
-    "loss/clip_frac", "samples/status_failed", "samples/dropped_stale_groups", "samples/status_failed_total",
+    "loss/clip_frac", "samples/failed", "samples/dropped_stale_groups", "samples/failed_total",
     "perf/gen_tokens_per_s", "perf/trainer_idle_s", "perf/engine_idle_frac", "perf/weight_sync_s", "reward/all_samples",
 ]
 
@@ -41,8 +43,8 @@ def fit(module, tmp_path, steps, callbacks=(), ckpt_path=None, name="run"):
 
 
 def make(engine, **kw):
-    args = dict(engine=engine, group_size=4, prompts_per_step=4, max_lag=1, lr=3e-4, task_seed=0)
-    return AsyncRLModule(**{**args, **kw})
+    return make_module(**{**dict(engine=engine, group_size=4, prompts_per_step=4, max_lag=1, lr=3e-4, task_seed=0),
+                          **kw})
 
 
 @pytest.fixture(params=["torch", pytest.param("vllm", marks=pytest.mark.slow)])
@@ -74,7 +76,7 @@ def test_several_updates_per_batch_keep_the_lag_bound_and_exact_sync(tmp_path):
 
     class Pushes(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            pl_module.source.settle_weights()  # the last push's load may still run (it overlaps the next step)
+            pl_module.weights.settle()  # the last push's load may still run (it overlaps the next step)
             pushed.append((pl_module.policy_version, pl_module.engine.version, trainer.global_step))
 
     batches = Batches()
@@ -111,7 +113,7 @@ def test_resume_continues_at_saved_step_and_version(engine, tmp_path):
                                            if k != "lm_head.weight"}, 0))
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
     assert saved["global_step"] == 3 and saved["molt"]["policy_version"] == 3
-    assert saved["molt"]["rollout"]["consumed_batches"] == 3 and saved["molt"]["rollout"]["next_prompt"] > 0
+    assert saved["molt"]["rollout"]["consumed"] == 3 and saved["molt"]["rollout"]["next_prompt"] > 0
 
     class AtStart(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -158,8 +160,8 @@ def test_failed_agents_and_nan_rewards_are_counted_and_never_trained(tmp_path, c
         _, df = fit(module, tmp_path, steps=3, callbacks=[batches])
     counts = module.source.counts
     # three failing members in each of the 3 x 4 trained groups, all counted by the time the last step logged
-    assert 3 * 3 * 4 <= df["samples/status_failed_total"].max() <= counts["status_failed"]
-    whole = counts["dropped_empty_groups"] * 4  # failures of that kind, each counted
+    assert 3 * 3 * 4 <= df["samples/failed_total"].max() <= counts.failed
+    whole = counts.dropped_empty_groups * 4  # failures of that kind, each counted
     logged = sum("whole group fails" in r.message for r in caplog.records)
     assert whole >= 4 and logged == min(whole, 5) + sum(10 ** k > 5 for k in range(1, 6) if 10 ** k <= whole)
     messages = "\n".join(r.message for r in caplog.records)
@@ -183,7 +185,7 @@ def test_hook_order_weight_sync_before_rollouts_start(tmp_path):
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-            pl_module.source.settle_weights()  # the push returns while the engine loads; wait to read its version
+            pl_module.weights.settle()  # the push returns while the engine loads; wait to read its version
             events.append(("pushed", pl_module.engine.version))
 
     class Module(AsyncRLModule):
@@ -195,6 +197,7 @@ def test_hook_order_weight_sync_before_rollouts_start(tmp_path):
             events.append(("step", self.global_step, self.engine.version))
             return super().training_step(dataloader_iter)
 
-    module = Module(engine=TorchEngine(), group_size=2, prompts_per_step=2, max_lag=0)
+    module = Module(calculator_agent, tasks, engine=TorchEngine(), rollout=Rollout(group_size=2, prompts_per_step=2,
+                                                                                  max_lag=0))
     fit(module, tmp_path, steps=2, callbacks=[Sync()])
     assert events == [("sync", 0, True), ("begin", 0), ("step", 0, 0), ("pushed", 1), ("step", 1, 1), ("pushed", 2)]

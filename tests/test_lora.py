@@ -113,26 +113,39 @@ def test_vllm_engine_serves_the_synced_adapter_and_retires_old_ones(vllm_lora_en
     assert sorted(os.listdir(slots.current.folder)) == ["adapter_config.json", "adapter_model.safetensors"]
 
 
+async def held_by_vllm(engine, n: int) -> None:
+    """Return once vLLM holds ``n`` unfinished requests (deadline 120 s)."""
+    deadline = asyncio.get_running_loop().time() + 120
+    while engine.llm.output_processor.get_num_unfinished_requests() < n:
+        assert asyncio.get_running_loop().time() < deadline, f"vLLM did not receive {n} requests within 120 s"
+        await asyncio.sleep(0.01)
+
+
 @pytest.mark.slow
 def test_vllm_request_in_flight_keeps_its_adapter(vllm_lora_engine, prompts, peft_lm):  # noqa: F811
     """A request started under adapter v finishes under it, every token tagged v, even when v+1 lands meanwhile;
-    v's folder goes once its last request ends."""
+    v's folder goes once its last request ends. The scheduler is held (vLLM's own pause) from before the requests
+    start until v+1 is loaded, so every request is in flight during the update."""
     engine, (_, s1, s2) = vllm_lora_engine, adapter_states(peft_lm)
     long = Sampling(max_tokens=100, temperature=1.0, ignore_eos=True)
 
     async def scenario():
         await engine.update_weights(s1, 21)
         old = engine.adapters.current
-        tasks = [asyncio.ensure_future(engine.generate(p, long)) for p in prompts]
-        await asyncio.sleep(0.2)
-        in_flight = sum(not t.done() for t in tasks)
-        await engine.update_weights(s2, 22)
+        await engine.llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            tasks = [asyncio.ensure_future(engine.generate(p, long)) for p in prompts]
+            await held_by_vllm(engine, len(tasks))
+            await engine.update_weights(s2, 22)
+            in_flight = sum(not t.done() for t in tasks)
+        finally:
+            await engine.llm.resume_generation()
         after = await engine.generate(prompts[0], Sampling(max_tokens=8, temperature=0.0))
         outs = await asyncio.gather(*tasks)
         return in_flight, old, outs, after
 
     in_flight, old, outs, after = engine.call(scenario())
-    assert in_flight > 0, "no request was in flight during the update: the test checks nothing"
+    assert in_flight == len(prompts)
     assert set(after.versions) == {22}
     for p, o in list(zip(prompts, outs))[:4]:
         assert set(o.versions) == {21}
@@ -146,22 +159,27 @@ def test_vllm_request_in_flight_keeps_its_adapter(vllm_lora_engine, prompts, pef
 def test_vllm_three_adapters_in_use_beyond_max_loras(vllm_lora_engine, prompts, peft_lm):  # noqa: F811
     """Requests of three adapter versions in flight at once, with max_loras = max_cpu_loras = 2: vLLM evicts one
     from its cache while it is in use and reloads it from its folder (still there: in use); every request finishes
-    under its own adapter, and the two older adapters go once their requests are done."""
+    under its own adapter, and the two older adapters go once their requests are done. The scheduler is held (vLLM's
+    own pause) while the three waves arrive, so all three are in flight when it resumes."""
     engine, (s0, s1, s2) = vllm_lora_engine, adapter_states(peft_lm)
     long = Sampling(max_tokens=80, temperature=1.0, ignore_eos=True)
 
     async def scenario():
         waves, folders = [], []
-        for version, state in ((31, s1), (32, s2), (33, s0)):
-            await engine.update_weights(state, version)
-            folders.append(engine.adapters.current.folder)
-            waves.append([asyncio.ensure_future(engine.generate(p, long)) for p in prompts[:4]])
-            await asyncio.sleep(0.1)
-        in_flight = [sum(not t.done() for t in wave) for wave in waves]
+        await engine.llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            for version, state in ((31, s1), (32, s2), (33, s0)):
+                await engine.update_weights(state, version)
+                folders.append(engine.adapters.current.folder)
+                waves.append([asyncio.ensure_future(engine.generate(p, long)) for p in prompts[:4]])
+                await held_by_vllm(engine, 4 * len(waves))
+            in_flight = [sum(not t.done() for t in wave) for wave in waves]
+        finally:
+            await engine.llm.resume_generation()
         return in_flight, folders, [await asyncio.gather(*wave) for wave in waves]
 
     in_flight, folders, waves = engine.call(scenario())
-    assert in_flight[0] > 0 and in_flight[1] > 0, "the older waves were done before the next adapter: checks nothing"
+    assert in_flight == [4, 4, 4]
     for (version, state), outs in zip(((31, s1), (32, s2), (33, s0)), waves):
         for p, o in list(zip(prompts, outs))[:2]:
             assert set(o.versions) == {version}

@@ -191,12 +191,13 @@ def test_replay_routes_unrecorded_positions_freely_and_keeps_the_router_learning
 def test_replay_on_a_dense_policy_or_an_engine_without_capture_is_a_clear_error(tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from modules import make_module
+
     from molt_lightning.engines import VLLMEngine
-    from molt_lightning.module import AsyncRLModule
 
     dense = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2))
-    with pytest.raises(ValueError, match="dense.*model.routing: free"):
+    with pytest.raises(ValueError, match="dense.*model.moe.routing: free"):
         Policy(dense, routing="replay")
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -207,7 +208,7 @@ def test_replay_on_a_dense_policy_or_an_engine_without_capture_is_a_clear_error(
         with pytest.raises(NotImplementedError, match="activation_checkpointing: false"):
             Policy(sparse, routing=routing)
     with pytest.raises(ValueError, match="VLLMEngine does not.*TorchEngine or VLLMEngine.capture_routing=True"):
-        AsyncRLModule(engine=VLLMEngine(), routing="replay")
+        make_module(engine=VLLMEngine(), routing="replay")
 
 
 def test_loop_with_replay_trains_on_exactly_the_engines_tokens_and_logprobs(moe_path, tmp_path, monkeypatch, tokenizer):
@@ -217,7 +218,7 @@ def test_loop_with_replay_trains_on_exactly_the_engines_tokens_and_logprobs(moe_
     engine = TorchEngine(seed=0)
     records = record_generations(engine, monkeypatch)
     batches = Batches()
-    _, df = fit(make(engine, policy=moe_path, max_lag=0, routing="replay", router_aux_coef=0.01), tmp_path, steps=3,
+    _, df = fit(make(engine, policy=moe_path, max_lag=0, routing="replay", aux_coef=0.01), tmp_path, steps=3,
                 callbacks=[batches])
     assert check_trained_tokens(records, batches, tokenizer, max_lag=0) > 0  # multi-turn rows were checked
     assert (df["mismatch/abs_logprob_diff"].dropna() < 1e-4).all()

@@ -20,10 +20,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from modules import running
 
 from molt_lightning.algorithms.objective import Norm
 from molt_lightning.batching import plan, rank_rows, rows_of
 from molt_lightning.client import AgentClient
+from molt_lightning.config import Rollout
 from molt_lightning.engines.base import Generation, RolloutEngine
 from molt_lightning.rollout import RolloutSource
 from molt_lightning.trajectory import ConsistencyError, Kind, Span, Status, Trajectory, collate
@@ -94,7 +96,7 @@ def test_collate_trains_exactly_the_engine_tokens_with_their_records(trajs):
         assert b.engine_logprobs[r, n:].eq(0).all()
         assert b.versions[r].tolist() == vers + [-1] * (width - n)  # the version that sampled each token
         assert b.traj_ids[r] == t_idx and b.group_ids[r] == trajs[t_idx].group_id
-        assert b.rewards[r] == torch.tensor(trajs[t_idx].reward, dtype=torch.float32)
+        assert b.outcomes.rewards[t_idx] == torch.tensor(trajs[t_idx].reward, dtype=torch.float32)
     trained = b.versions[b.loss_mask]
     assert trained.ge(0).all() and trained.le(MAX_VERSION).all()
     assert b.versions[~b.loss_mask].eq(-1).all()
@@ -223,7 +225,7 @@ class FakeEngine(RolloutEngine):
         super().__init__()
         self.rng, self.bump, self.outputs = random.Random(seed), bump, []
 
-    async def start(self, model_path):
+    async def open(self, model_path):
         self.vocab_size = VOCAB
 
     async def _generate(self, prompt_ids, sampling):
@@ -237,11 +239,13 @@ class FakeEngine(RolloutEngine):
         await asyncio.sleep(0)
         return out
 
-    async def _stage(self, bucket): ...
+    async def stage(self, bucket): ...
 
-    async def _commit(self, version): ...
+    async def load(self): ...
 
-    async def shutdown(self): ...
+    async def tag(self, version): ...
+
+    async def close(self): ...
 
     async def pause(self): ...
 
@@ -312,19 +316,15 @@ def test_failed_samples_are_counted_and_never_trained(group_size, prompts, data)
     def tasks(seed):
         return ({"i": i} for i in range(10_000))
 
-    source = RolloutSource(agent, tasks, group_size=group_size, prompts_per_step=prompts, max_lag=0,
-                           timeout_s=0.25, max_failure_rate=1.0)
-    source.start(FakeEngine(bump=0.0), "fake", None)
-    try:
-        source.begin()
+    source = RolloutSource(agent, tasks, Rollout(group_size=group_size, prompts_per_step=prompts, max_lag=0,
+                                                 agent_timeout_s=0.25, max_failure_rate=1.0))
+    with running(source, FakeEngine(bump=0.0)):
         batch = source.next_batch(0)
-        counts = dict(source.counts)
-    finally:
-        source.stop()
+        counts = source.counts_now()
     failed = {(i, j) for i, j, f in finished if f}
     assert all(t.status != Status.FAILED and t.num_policy_tokens > 0 for t in batch)
     assert not {(t.sample_id, t.info["index"]) for t in batch} & failed  # a failed sample is never trained on
     assert len({t.group_id for t in batch}) == prompts
-    assert counts.get("status_failed", 0) == len(failed)  # and each one is counted
+    assert counts.failed == len(failed)  # and each one is counted
     if batch:
         collate(batch, PAD, max_version=0)

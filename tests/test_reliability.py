@@ -20,7 +20,7 @@ from molt_lightning.callbacks import audit
 
 ROOT = Path(__file__).resolve().parents[1]
 KILLS = int(os.environ.get("MOLT_KILLS", "3"))
-STEPS, G, P = max(8, 2 * KILLS + 3), 4, 2
+STEPS, G, P = 3 * KILLS + 3, 4, 2  # a process advances at most 3 checkpointed steps before its kill (kill_points)
 
 RECIPE = """
 seed_everything: 0
@@ -38,12 +38,13 @@ trainer:
       init_args: {{dirpath: {dir}/ckpt, every_n_train_steps: 1, save_last: true}}
     - class_path: molt_lightning.callbacks.SampleAudit
       init_args: {{path: {dir}/audit.jsonl}}
+    - class_path: kill_points.Marks
 model:
   engine: {{class_path: molt_lightning.engines.TorchEngine, init_args: {{seed: 0}}}}
-  group_size: {G}
-  prompts_per_step: {P}
-  max_lag: 0
-  lr: 3.0e-4
+  agent: molt_lightning.tasks.arithmetic.calculator_agent
+  tasks: molt_lightning.tasks.arithmetic.tasks
+  rollout: {{group_size: {G}, prompts_per_step: {P}, max_lag: 0}}
+  optim: {{lr: 3.0e-4}}
   torch_threads: 1
 {extra}
 """
@@ -56,38 +57,27 @@ def recipe(folder: Path, steps: int = STEPS, extra: str = "") -> Path:
     return path
 
 
-def start(config: Path, *args: str) -> subprocess.Popen:
+def start(config: Path, *args: str, hold: bool = False) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": f"{ROOT / 'tests' / 'helpers'}:{ROOT}"}
+           "PYTHONPATH": f"{ROOT / 'tests' / 'helpers'}:{ROOT}", "MOLT_MARKS": str(config.parent / "marks"),
+           "MOLT_HOLD": "1" if hold else "0"}
     return subprocess.Popen([sys.executable, "-m", "molt_lightning.cli", "fit", "--config", str(config), *args],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def trained(path: Path) -> int:
-    return sum(r["event"] == "train" for r in audit.read(str(path))) if path.exists() else 0
+def wait_for_mark(proc: subprocess.Popen, folder: Path, name: str, timeout: float = 240) -> None:
+    """Return once ``proc`` wrote the marker ``name`` (``kill_points.Marks``); fail if it exits or takes too long."""
+    mark, deadline = folder / "marks" / name, time.time() + timeout
+    while not mark.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    assert mark.exists(), f"{name} was not marked within {timeout} s"
 
 
 def waiting_for_rollouts(proc: subprocess.Popen, folder: Path, timeout: float = 240) -> None:
-    """Return once ``proc`` trained 2 steps, wrote their checkpoints, and its agents have been asleep for a second
-    (see slow_agents). Every step checkpoints with an fsync, which can take seconds while the disk writes back what
-    an earlier test wrote (the container build's gigabytes): a signal sent during it waits for it, so the trainer
-    must be past step 2's checkpoints (the step's file and last.ckpt, each written atomically) before the clock runs."""
-    deadline = time.time() + timeout
-
-    def checkpointed() -> bool:
-        step, last = list((folder / "ckpt").glob("*step=2.ckpt")), folder / "ckpt" / "last.ckpt"
-        return bool(step) and last.exists() and last.stat().st_mtime_ns >= step[0].stat().st_mtime_ns
-
-    while not (trained(folder / "audit.jsonl") >= 2 and checkpointed()) and proc.poll() is None \
-            and time.time() < deadline:
-        time.sleep(0.05)
-    assert proc.poll() is None, proc.communicate()[0][-3000:]
-    assert checkpointed(), f"no checkpoint of step 2 after {timeout} s"
-    time.sleep(1.0)
-
-
-def checkpoints(path: Path) -> int:
-    return sum(r["event"] == "checkpoint" for r in audit.read(str(path))) if path.exists() else 0
+    """Return once ``proc`` trained 2 steps, wrote their checkpoints and its third step asks for a batch (the agents
+    of that batch sleep: see slow_agents), so a signal reaches the trainer while it waits for rollouts."""
+    wait_for_mark(proc, folder, "batch-2", timeout)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
@@ -106,24 +96,18 @@ def uninterrupted(tmp_path_factory):
 def test_sigkill_and_resume_loses_and_repeats_nothing(tmp_path, uninterrupted):
     rng = random.Random(int(os.environ.get("MOLT_KILL_SEED", "0")))
     config, log = recipe(tmp_path), tmp_path / "audit.jsonl"
-    landed = 0
     for _ in range(KILLS):
-        proc = start(config, "--ckpt_path", "last")
-        saved, done = checkpoints(log), trained(log)
-        deadline = time.time() + 240  # kill once this process has checkpointed a new step and trained another ...
-        while (checkpoints(log) <= saved or trained(log) < done + 2) and proc.poll() is None \
-                and time.time() < deadline:
-            time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 0.15))  # ... somewhere after that: a step takes ~0.1-0.2 s here
-        if proc.poll() is not None:
-            break  # finished before the kill
+        proc = start(config, "--ckpt_path", "last", hold=True)
+        wait_for_mark(proc, tmp_path, f"held-{proc.pid}")  # two new steps trained, the first checkpointed
+        (tmp_path / "marks" / f"release-{proc.pid}").touch()
+        time.sleep(rng.uniform(0.0, 0.15))  # the kill lands somewhere in the next steps (at the latest at the fence)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]  # held at the fence at the latest: never done
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        landed += 1
     finish(start(config, "--ckpt_path", "last"))
     records = audit.read(str(log))
     starts = [r for r in records if r["event"] == "start"]
-    assert landed == KILLS and len(starts) == KILLS + 1 and starts[0]["step"] == 0
+    assert len(starts) == KILLS + 1 and starts[0]["step"] == 0  # every process that started is on record
     assert all(r["step"] > 0 for r in starts[1:])  # every resume continued from a checkpoint
     kept = audit.replay(records)
     assert [r["step"] for r in kept] == list(range(1, STEPS + 1))  # every step once, in order, after replay
@@ -194,8 +178,8 @@ def test_sigterm_with_the_vllm_engine_leaves_no_process_behind(tmp_path):
 
 
 def test_failure_breaker_stops_a_run_whose_agents_all_fail(tmp_path):
-    config = recipe(tmp_path, steps=3, extra="  max_context: 8")  # every calculator agent overflows its context
-    proc = start(config)
+    config = recipe(tmp_path, steps=3)
+    proc = start(config, "--model.rollout.max_context", "8")  # every calculator agent overflows its context
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 1 and "Traceback" not in out
     assert "molt: 64 of the last 64 agent runs failed (more than 50%)" in out, out[-3000:]

@@ -72,9 +72,9 @@ def fit(module, tmp_path, steps, callbacks=()):
 
 
 def make(engine, **kw):
-    from molt_lightning.module import AsyncRLModule
+    from modules import make_module
 
-    return AsyncRLModule(**{**dict(engine=engine, group_size=4, prompts_per_step=4, max_lag=1, lr=3e-4), **kw})
+    return make_module(**{**dict(engine=engine, group_size=4, prompts_per_step=4, max_lag=1, lr=3e-4), **kw})
 
 
 def record_routes(pool, monkeypatch):
@@ -169,8 +169,8 @@ def test_a_killed_server_fails_its_requests_and_a_restarted_one_loads_the_curren
         fit(module, tmp_path, steps=4, callbacks=[batches, kill])
         kill.thread.join(30)
         counts = module.source.counts
-        assert kill.killed_at is not None and not pool.engines[1].alive
-        assert counts["status_failed"] > 0  # the dead server's requests in flight failed their trajectories
+        assert kill.killed_at is not None and not pool.engines[1].healthy
+        assert counts.failed > 0  # the dead server's requests in flight failed their trajectories
         assert any("EngineUnavailable" in kind for kind in module.source._failure_kinds)
         # every trained token comes from a finished generation; requests cut by the kill finished nowhere
         from invariant import check_trained_tokens
@@ -182,9 +182,9 @@ def test_a_killed_server_fails_its_requests_and_a_restarted_one_loads_the_curren
         molt_servers[1].start()  # same port: the pool's health watch finds it and reloads it before it serves
         molt_servers[1].wait_ready(300)
         deadline = time.monotonic() + 60
-        while not pool.engines[1].alive and time.monotonic() < deadline:
+        while not pool.engines[1].healthy and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert pool.engines[1].alive and pool.engines[1].version == pool.version == 4
+        assert pool.engines[1].healthy and pool.engines[1].version == pool.version == 4
         back, live = (pool.call(e.weight_checksums()) for e in pool.engines[::-1])
         assert back == live != initial  # the trained weights, not the ones the server started with
     finally:

@@ -26,7 +26,7 @@ def test_without_cuda_the_nccl_channel_fails_at_launch_and_at_first_sync_with_th
     engine = RemoteVLLMEngine(url=URL, channel="nccl")
     with pytest.raises(RuntimeError, match="channel nccl needs CUDA on the trainer and the server; use shm on one "
                                            "machine or http across machines"):
-        asyncio.run(engine.start("unused"))
+        asyncio.run(engine.open("unused"))
 
     async def never_called(*args, **kw):
         raise AssertionError("no route may be called without CUDA")
@@ -99,7 +99,7 @@ BUCKETS = [
 def test_a_commit_joins_once_then_pauses_loads_each_bucket_over_nccl_resets_tags_and_resumes(fake):
     async def run():
         engine = _engine(fake)
-        await engine.start("unused")
+        await engine.open("unused")
         start = len(fake.calls)
         for bucket in BUCKETS:
             await engine.stage_weights(bucket)
@@ -110,7 +110,7 @@ def test_a_commit_joins_once_then_pauses_loads_each_bucket_over_nccl_resets_tags
         first = fake.calls[start:]
         await engine.stage_weights({"model.norm.weight": torch.zeros(2)})
         await engine.commit_weights(4)
-        await engine.shutdown()
+        await engine.close()
         return engine, first
 
     engine, first = asyncio.run(run())
@@ -146,13 +146,13 @@ def test_a_failed_broadcast_fails_the_commit_resumes_the_server_and_drops_the_gr
 
     async def run():
         engine = _engine(fake)
-        await engine.start("unused")
+        await engine.open("unused")
         await engine.stage_weights(BUCKETS[0])
         monkeypatch.setattr(NcclChannel, "broadcast", broken)
         with pytest.raises(RuntimeError, match="NCCL error"):
             await engine.commit_weights(1)
         assert engine._nccl.group is None  # dropped: the next load joins a new group
-        await engine.shutdown()
+        await engine.close()
 
     asyncio.run(run())
     assert fake.routes()[-1] == "/resume"  # a failed load still resumes the server

@@ -240,7 +240,7 @@ def test_engine_core_failure_lists_the_causes(policy_path, monkeypatch):
 
     monkeypatch.setattr(AsyncLLM, "from_engine_args", fail)
     with pytest.raises(RuntimeError) as info:
-        asyncio.run(VLLMEngine().start(policy_path))
+        asyncio.run(VLLMEngine().open(policy_path))
     assert info.value.__cause__ is original
     message = str(info.value)
     assert GUARD in message and "VLLM_CPU_KVCACHE_SPACE=1 GiB" in message and "kv_cache_gib" in message
@@ -248,5 +248,5 @@ def test_engine_core_failure_lists_the_causes(policy_path, monkeypatch):
     other = RuntimeError("something else")
     monkeypatch.setattr(AsyncLLM, "from_engine_args", lambda *a, **k: (_ for _ in ()).throw(other))
     with pytest.raises(RuntimeError) as info:
-        asyncio.run(VLLMEngine().start(policy_path))
+        asyncio.run(VLLMEngine().open(policy_path))
     assert info.value is other

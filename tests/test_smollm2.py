@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from molt_lightning.engines import TorchEngine
-from molt_lightning.module import AsyncRLModule
+from molt_lightning import AsyncRLModule, Batching, Optim, Rollout
 from molt_lightning.tasks import addition
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -21,9 +21,9 @@ def test_smollm2_trains_on_policy_with_exact_sync(tmp_path):
 
     path = smollm2_policy()
     engine = TorchEngine(seed=0)
-    module = AsyncRLModule(policy=path, agent=addition.agent, tasks=addition.tasks, engine=engine, group_size=2,
-                           prompts_per_step=2, max_lag=0, temperature=addition.TEMPERATURE, lr=1e-5,
-                           micro_batch_tokens=160, logit_chunk_tokens=16, torch_threads=2)
+    rollout = Rollout(group_size=2, prompts_per_step=2, max_lag=0, temperature=addition.TEMPERATURE)
+    module = AsyncRLModule(addition.agent, addition.tasks, policy=path, engine=engine, torch_threads=2, rollout=rollout,
+                           optim=Optim(lr=1e-5), batching=Batching(micro_batch_tokens=160, logit_chunk_tokens=16))
     before = {}  # the weights at the start, filled once configure_model has built the policy
 
     class Snapshot(L.Callback):

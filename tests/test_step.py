@@ -100,9 +100,9 @@ def test_plan_errors_name_the_fix():
 
 
 def _module(lm, algo):
-    from molt_lightning.module import AsyncRLModule
+    from modules import make_module
 
-    m = AsyncRLModule(algo=algo)
+    m = make_module(algo=algo)
     m.policy = Policy(lm, chunk_tokens=4)
     return m
 
@@ -113,12 +113,12 @@ def _grads(module, batch, parts):
     trajs = batch.trajectories
     rewards = torch.tensor([t.reward for t in trajs])
     groups = torch.tensor([t.group_id for t in trajs])
-    est = module.pieces.advantage(AdvantageInputs(rewards, groups, batch.traj_ids, batch.loss_mask[:, 1:]), algo)
-    from molt_lightning.module import _Constants
+    est = module.fns.advantage(AdvantageInputs(rewards, groups, batch.traj_ids, batch.loss_mask[:, 1:]), algo)
+    from molt_lightning.batching import Constants
 
     module.policy.zero_grad()
     for rows, norm, scale in parts:
-        loss, _, _ = module.micro_loss(batch, rows, est, _Constants(), norm)
+        loss, _, _ = module.micro_loss(batch, rows, est, Constants(), norm)
         (loss * scale).backward()
     return {n: p.grad.clone() for n, p in module.policy.named_parameters()}
 

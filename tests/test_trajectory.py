@@ -26,8 +26,10 @@ def test_collate_places_every_field_at_its_token():
     assert b.attention_mask.sum(1).tolist() == [6, 2, 3]
     assert torch.allclose(b.engine_logprobs[0], torch.tensor([0, 0, -0.1, -0.2, 0, -0.3]))
     assert b.versions[0].tolist() == [-1, -1, 3, 3, -1, 4]
-    assert b.rewards.tolist() == [0.5, 1.0, 1.0]  # a trajectory's reward on each of its segments
     assert b.traj_ids.tolist() == [0, 1, 1]
+    # per trajectory, once: reward, policy tokens over all of its segments, group
+    assert b.outcomes.rewards.tolist() == [0.5, 1.0] and b.outcomes.lengths.tolist() == [3, 2]
+    assert b.outcomes.groups.tolist() == [2, 2]
     assert b.group_ids.tolist() == [2, 2, 2]
 
 

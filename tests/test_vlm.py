@@ -17,7 +17,8 @@ from molt_lightning.chat import ChatTemplate
 from molt_lightning.client import AgentClient
 from molt_lightning.engines import TorchEngine
 from molt_lightning.engines.base import Sampling
-from molt_lightning.policy import Policy, load_lm
+from molt_lightning.models import load_lm
+from molt_lightning.policy import Policy
 from molt_lightning.tasks import shapes
 from molt_lightning.trajectory import ConsistencyError, Kind, Span, Trajectory, collate
 from molt_lightning.vision import BatchImages, ImageInputs, load_processor
@@ -238,15 +239,14 @@ def test_loop_trains_on_exactly_the_engines_tokens_with_the_images_it_saw(vlm_pa
 def test_engines_without_images_and_text_policies_give_clear_errors(policy_path, vlm_path, tokenizer, template):
     from scripted import ScriptedEngine
 
+    from molt_lightning.client import AgentClients
     from molt_lightning.engines import VLLMEngine
-    from molt_lightning.rollout import RolloutSource
 
     scripted = ScriptedEngine([[5]])
     with pytest.raises(NotImplementedError, match="ScriptedEngine cannot condition on images.*TorchEngine"):
         asyncio.run(scripted.generate([1, 2], Sampling(max_tokens=1), images=fake_images(1, 0.0)))
-    source = RolloutSource(shapes.count_agent, shapes.tasks)
     with pytest.raises(ValueError, match="vision-language policy but VLLMEngine cannot take images.*TorchEngine"):
-        source.start(VLLMEngine(), vlm_path, template.tokenizer)
+        AgentClients(VLLMEngine(), vlm_path, template.tokenizer, temperature=1.0, max_context=256)
     with pytest.raises(ValueError, match="no image processor"):
         ChatTemplate(tokenizer).prompt_inputs(shapes.messages(samples(1)[0]))
     with pytest.raises(ValueError, match="use prompt_inputs"):

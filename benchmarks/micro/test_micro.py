@@ -177,22 +177,23 @@ def test_write_weight_files(benchmark, lm):
     from safetensors.torch import load_file
 
     from molt_lightning.engines import VLLMEngine
-    from molt_lightning.parallel import full_state_buckets
+    from molt_lightning.engines.base import write_weights
+    from molt_lightning.weights import buckets as sync_buckets
 
     engine = VLLMEngine()  # vLLM is imported only at start: this writes as a weight sync does, to /dev/shm
-    buckets = list(full_state_buckets(lm, 256 * 2**20))  # the default sync_bucket_mb
+    buckets = list(sync_buckets(lm, 256 * 2**20))  # WeightSync's default bucket_mb
 
     def push():
-        paths = [engine._write(b) for b in buckets]
+        paths = [write_weights(b, engine.weight_dir) for b in buckets]
         sizes = [os.path.getsize(p) for p in paths]
         for p in paths:
-            os.unlink(p)  # as _commit does once the engine has loaded them
+            os.unlink(p)  # as the load phase does once the engine has loaded them
         return sizes
 
     sizes = benchmark(push)
     nbytes = sum(t.numel() * t.element_size() for b in buckets for t in b.values())
     assert nbytes <= sum(sizes) < nbytes + 64 * 1024  # tensors plus the safetensors header
-    path = engine._write(buckets[0])
+    path = write_weights(buckets[0], engine.weight_dir)
     try:
         back = load_file(path)
     finally:

@@ -38,8 +38,8 @@ LOSSES: dict[str, Callable] = {"ppo_clip": losses.ppo_clip, "gspo": losses.gspo,
 
 
 @dataclass(frozen=True)
-class Pieces:
-    """What the module calls each step, resolved once from the recipe."""
+class Functions:
+    """The functions the module calls each step, resolved once from the recipe's ``Algorithm``."""
 
     advantage: Callable  # fn(AdvantageInputs, cfg) -> Advantages
     loss: Callable  # fn(LossInputs, cfg) -> (per-token loss, metrics)
@@ -49,14 +49,14 @@ class Pieces:
     needs_reference: bool  # kl_coef > 0: a frozen copy of the initial policy
 
 
-def build(cfg: Algorithm) -> Pieces:
+def build(cfg: Algorithm) -> Functions:
     cfg.check()
     for name, registry, what in [(cfg.aggregation, AGGREGATIONS, "aggregation"), (cfg.is_level, IS_LEVELS, "is_level"),
                                  (cfg.is_mode, IS_MODES, "is_mode"), (cfg.is_form, IS_FORMS, "is_form"),
                                  (cfg.kl_estimator, KL_ESTIMATORS, "kl_estimator")]:
         resolve(name, registry, what)  # fail now, with the choices, rather than at the first step
     advantage = resolve(cfg.advantage, ADVANTAGES, "advantage")
-    return Pieces(
+    return Functions(
         advantage=advantage, loss=resolve(cfg.loss, LOSSES, "loss"),
         shape_rewards=resolve(cfg.reward_shaping, REWARD_SHAPERS, "reward_shaping"),
         group_filter=resolve(cfg.group_filter, GROUP_FILTERS, "group_filter"),
@@ -66,6 +66,6 @@ def build(cfg: Algorithm) -> Pieces:
 
 __all__ = [
     "ADVANTAGES", "AGGREGATIONS", "GROUP_FILTERS", "IS_FORMS", "IS_LEVELS", "IS_MODES", "KL_ESTIMATORS", "LOSSES",
-    "REWARD_SHAPERS", "AdvantageInputs", "Advantages", "Algorithm", "Correction", "LossInputs", "Pieces", "build",
+    "REWARD_SHAPERS", "AdvantageInputs", "Advantages", "Algorithm", "Correction", "Functions", "LossInputs", "build",
     "objective", "off_policy", "resolve",
 ]

@@ -41,9 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--engine", default="torch", choices=("torch", "vllm"),
                    help="rollout engine (molt stacks; trl: its own generation, or its colocated vLLM)")
     r.add_argument("--torch-threads", type=int, default=None, help="molt stacks: trainer intra-op threads")
-    r.add_argument("--no-admit-ahead", action="store_true", help="molt stacks: model.admit_ahead false (only the "
-                   "batch the trainer waits for runs while it waits)")
-    r.add_argument("--switch-interval-ms", type=float, default=None, help="molt stacks: model.switch_interval_ms")
+    r.add_argument("--no-admit-ahead", action="store_true", help="molt stacks: model.rollout.admit_ahead false "
+                   "(only the batch the trainer waits for runs while it waits)")
+    r.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="molt stacks: model.rollout.switch_interval_ms")
 
     i = sub.add_parser("import", help="import runs made elsewhere (one file or folder per seed)")
     i.add_argument("sources", nargs="+", type=Path, help="metrics files or folders, one per seed")

@@ -9,8 +9,9 @@ exists (Trainer set-up) goes to a temporary file and is copied to ``molt.log`` i
 a failure the terminal gets the log's last lines and its path. ``MOLT_QUIET=1`` / ``0`` forces it on / off; by default
 it is on when standard output is a terminal.
 
-``RunSummary`` prints what a user wants after a run: steps and time, the reward at the start and at the end, the
-samples trained, failed and dropped, and where everything was written. Written by hand: Lightning has no run summary,
+``RunSummary`` prints what a user wants after a run: steps and time, the reward at the start and at the end, the agent
+runs that finished and what became of them (trained, failed, dropped, or still waiting when the run ended), and where
+everything was written. Written by hand: Lightning has no run summary,
 and file-descriptor redirection is a few ``os.dup2`` calls.
 """
 
@@ -112,10 +113,15 @@ class RunSummary(L.Callback):
             k = min(self.last, len(r))
             lines.append(f"  mean reward {statistics.fmean(r[:self.first]):.2f} (steps 0-{min(self.first, len(r)) - 1})"
                          f" -> {statistics.fmean(r[-k:]):.2f} (steps {len(r) - k}-{len(r) - 1})")
-        dropped = sum(m.get(f"samples/dropped_{k}_samples_total", 0) for k in ("stale", "filtered"))
-        lines.append(f"  samples: {m.get('samples/samples_total', 0):.0f} trained, "
-                     f"{m.get('samples/status_failed_total', 0):.0f} failed, {dropped:.0f} dropped "
-                     f"(+ {m.get('samples/dropped_empty_groups_total', 0):.0f} groups without signal)")
+        names = ("finished", "trained", "failed", "dropped_stale_samples", "dropped_filtered_samples",
+                 "dropped_empty_groups")
+        total = {k: int(m.get(f"samples/{k}_total", 0)) for k in names}
+        dropped = total["dropped_stale_samples"] + total["dropped_filtered_samples"]
+        left = total["finished"] - total["trained"] - total["failed"] - dropped
+        lines.append(f"  samples: {total['finished']} finished: {total['trained']} trained, {total['failed']} failed, "
+                     f"{dropped} dropped ({total['dropped_stale_samples']} stale, "
+                     f"{total['dropped_filtered_samples']} filtered), {left} not trained when the run ended; "
+                     f"{total['dropped_empty_groups']} groups had no usable sample")
         if trainer.logger is not None:  # (not trainer.log_dir: a collective, and only rank 0 is here)
             lines.append(f"  run folder: {trainer.logger.log_dir} (metrics.csv, reward.png, config.yaml)")
         return "\n".join(lines)

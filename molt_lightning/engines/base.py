@@ -1,21 +1,28 @@
-"""The rollout-engine protocol every engine implements, and the bookkeeping they share.
+"""The rollout-engine protocol every engine implements, the bookkeeping they share, and the one weight-update sequence.
 
 An engine turns prompt token ids into sampled token ids with, for each token, the logprob under the distribution it
 was sampled from (after temperature) and the integer policy version of the weights that sampled it.
 
-An engine lives on its own event-loop thread: its coroutines (``generate``, ``update_weights``) and the agents that
+An engine lives on its own event-loop thread: its coroutines (``generate``, the weight phases) and the agents that
 call them run there; the trainer thread reaches it through ``call``. ``launch``/``release`` count users, so several
-trainers in one process (tests, benchmark seeds) can share one engine: it shuts down when the last one lets go.
-``update_weights`` may land while requests are in flight (those requests continue on the new weights, and their
-per-token versions show where). The trainer owns the version numbers: the engine takes whatever it is given.
-Weights arrive in buckets: ``stage_weights`` takes one (HF-named full tensors; nothing changes yet) and
-``commit_weights`` swaps all staged tensors in at once and tags what is sampled from then on with the version, so a
-sharded trainer never needs the whole model twice in one process; ``update_weights`` is the one-bucket shorthand.
+trainers in one process (tests, benchmark seeds) can share one engine: the first ``launch`` opens it (``open``, load
+the policy), the last ``release`` closes it. The trainer owns the version numbers: the engine takes whatever it is
+given.
+
+Weights arrive in phases, the same for every engine, so that a pool can run them across all its engines at once:
+``stage`` keeps one bucket (HF-named full tensors; nothing changes yet), ``pause`` freezes generation (requests in
+flight keep their progress), ``load`` swaps every staged tensor in, ``tag`` makes every token sampled from then on
+carry the new version (vLLM also drops every KV block the old weights computed), ``resume``. ``update`` is that
+sequence, written once; ``commit_weights`` runs it over the engine's ``members`` (itself, or a pool's engines), so a
+sharded trainer stages bucket by bucket and never needs the whole model twice in one process. Requests in flight
+during an update continue on the new weights, and their per-token versions show where. ``healthy``, ``mark_down``
+and ``check`` are the health phase: an engine that is down (a remote server) keeps an update for when it is back
+(``defer``).
 
 A LoRA policy (``model.lora``) is launched with its ``Adapter`` (peft's adapter config): the engine then serves the
 base model plus that adapter, and a sync carries only the adapter's tensors, under peft's names (as
-``get_peft_model_state_dict`` gives them), through the same ``stage_weights``/``commit_weights``; each commit is a new
-adapter version. What a sync carries is decided in one place, ``lora.sync_buckets``.
+``get_peft_model_state_dict`` gives them), through the same phases; each update is a new adapter version. What a sync
+carries is decided in one place, ``molt_lightning.weights``.
 Vision-language policies: ``generate(prompt_ids, sampling, images=...)`` takes the pixel values of the images whose
 image tokens the prompt holds (``vision.ImageInputs``). An engine that can condition on them sets ``accepts_images``
 and implements ``_generate(prompt_ids, sampling, images)``; the others keep ``_generate(prompt_ids, sampling)``, and
@@ -26,16 +33,23 @@ vLLM's vision models import torchvision, built for CUDA only; see ``molt_lightni
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from ..vision import ImageInputs
+
+log = logging.getLogger("molt_lightning.engines")
+
+
+class EngineUnavailable(RuntimeError):
+    """A request could not be served by a remote engine (down, timed out, refused): nothing of it is kept."""
 
 
 @dataclass
@@ -79,16 +93,16 @@ class Adapter:
 
 
 class RolloutEngine(ABC):
-    """Subclasses implement ``start``, ``_generate``, ``_stage``, ``_commit``, ``shutdown``, ``pause``, ``resume``;
-    ``start`` sets ``vocab_size`` (the size of the distribution the engine samples from). An engine that records
-    the experts a mixture-of-experts policy routed each position to (``Generation.routing``, for routing replay)
-    sets ``captures_routing``; one that conditions on images (``generate(..., images=...)``) sets
+    """Subclasses implement ``open``, ``close``, ``_generate``, ``pause``, ``resume`` and the weight phases ``stage``,
+    ``load``, ``tag``; ``open`` sets ``vocab_size`` (the size of the distribution the engine samples from). An engine
+    that records the experts a mixture-of-experts policy routed each position to (``Generation.routing``, for routing
+    replay) sets ``captures_routing``; one that conditions on images (``generate(..., images=...)``) sets
     ``accepts_images``."""
 
     captures_routing = False
     accepts_images = False
 
-    def __init__(self) -> None:
+    def __init__(self, down_timeout_s: float = 60.0) -> None:
         self.version = 0
         self._lock = threading.Lock()
         self._in_flight = 0
@@ -100,17 +114,21 @@ class RolloutEngine(ABC):
         self.vocab_size: int | None = None
         self.adapter: Adapter | None = None  # set at launch for a LoRA policy
         self._users = 0
+        self.weights_lock: asyncio.Lock | None = None  # one update at a time (a commit, or a returning server's reload)
+        self.down_timeout_s, self.where = down_timeout_s, type(self).__name__  # where: for messages
+        self._down_since: float | None = None
+        self._down_reason = ""
 
     # ----- lifecycle, from the trainer thread -----
     def launch(self, model_path: str, adapter: Adapter | None = None) -> None:
-        """Start the loop thread and the engine on first use; later users share it (same model and adapter
+        """Start the loop thread and open the engine on first use; later users share it (same model and adapter
         required). With ``adapter`` the engine serves the base model plus that LoRA adapter (see the module)."""
         if self._users == 0:
             self.loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self.loop.run_forever, name="molt-engine", daemon=True)
             self._thread.start()
-            self.adapter = adapter
-            self.call(self.start(model_path))
+            self.adapter, self.weights_lock = adapter, None  # made on the new loop by the first update
+            self.call(self.open(model_path))
             self.model_path = model_path
         elif model_path != self.model_path:
             raise ValueError(f"this engine serves {self.model_path}; it cannot also serve {model_path}")
@@ -121,12 +139,12 @@ class RolloutEngine(ABC):
         self._users += 1
 
     def release(self) -> None:
-        """Drop one user; the last one shuts the engine and its loop down."""
+        """Drop one user; the last one closes the engine and stops its loop."""
         self._users -= 1
         if self._users > 0 or self.loop is None:
             return
         try:
-            self.call(self.shutdown(), timeout=120)
+            self.call(self.close(), timeout=120)
         finally:
             loop, self.loop = self.loop, None
             loop.call_soon_threadsafe(loop.stop)
@@ -137,24 +155,15 @@ class RolloutEngine(ABC):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     @abstractmethod
-    async def start(self, model_path: str) -> None:
+    async def open(self, model_path: str) -> None:
         """Load the policy from a Hugging Face folder; the engine then serves version 0. With ``self.adapter`` set,
-        it prepares to serve that adapter; the first adapter commit is what it then serves."""
+        it prepares to serve that adapter; the first adapter update is what it then serves."""
+
+    @abstractmethod
+    async def close(self) -> None: ...
 
     @abstractmethod
     async def _generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation: ...
-
-    @abstractmethod
-    async def _stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
-        """Keep (or write out) one bucket for the next commit (HF-named full tensors, or with ``self.adapter`` the
-        adapter's peft-named tensors); serving is unchanged."""
-
-    @abstractmethod
-    async def _commit(self, version: int) -> None:
-        """Swap in every staged tensor, tagging every token sampled from now on with ``version``."""
-
-    @abstractmethod
-    async def shutdown(self) -> None: ...
 
     @abstractmethod
     async def pause(self) -> None:
@@ -163,9 +172,63 @@ class RolloutEngine(ABC):
     @abstractmethod
     async def resume(self) -> None: ...
 
-    def check(self) -> None:
-        """Raise if the engine can no longer serve (remote engines: down too long); called while the trainer waits."""
+    # ----- the weight phases (``update`` runs them; a pool's members are its engines) -----
+    async def stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
+        """Keep (a copy of) one bucket for the next load (HF-named full tensors, or with ``self.adapter`` the adapter's
+        peft-named tensors); serving is unchanged."""
+        raise NotImplementedError
 
+    async def load(self) -> None:
+        """(Paused.) Swap in every staged tensor."""
+        raise NotImplementedError
+
+    async def tag(self, version: int) -> None:
+        """(Paused, loaded.) Every token sampled from now on carries ``version``; nothing computed by the old weights
+        (a KV cache) is used again."""
+        raise NotImplementedError
+
+    def defer(self, version: int) -> None:
+        """(Down.) Keep the staged update as ``version`` for when the engine is back (an in-process engine is never
+        down; ``RemoteVLLMEngine`` keeps it)."""
+
+    @property
+    def members(self) -> list[RolloutEngine]:
+        """The engines a weight update reaches: this one (a pool: its engines)."""
+        return [self]
+
+    async def stage_weights(self, bucket: Mapping[str, torch.Tensor]) -> None:
+        for engine in self.members:  # every engine, up or down: one that comes back loads the latest update
+            await engine.stage(bucket)
+
+    async def commit_weights(self, version: int) -> None:
+        """Load everything staged as ``version`` (``update``)."""
+        await update(self.members, version)
+        self.version = version
+
+    async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """All weights in one bucket: stage, then commit."""
+        await self.stage_weights(state)
+        await self.commit_weights(version)
+
+    # ----- health -----
+    @property
+    def healthy(self) -> bool:
+        return self._down_since is None
+
+    def mark_down(self, reason: str) -> None:
+        if self._down_since is None:
+            log.warning("the engine %s is down: %s", self.where, reason)
+            self._down_since = time.monotonic()
+        self._down_reason = reason
+
+    def check(self) -> None:
+        """Raise once the engine has been down longer than ``down_timeout_s`` (called while the trainer waits)."""
+        if self._down_since is not None and time.monotonic() - self._down_since > self.down_timeout_s:
+            raise EngineUnavailable(f"the engine {self.where} has been down for more than {self.down_timeout_s:.0f} "
+                                    f"s ({self._down_reason}); restart its server (`molt serve`) or raise "
+                                    "down_timeout_s")
+
+    # ----- generation -----
     async def generate(self, prompt_ids: list[int], sampling: Sampling, images: ImageInputs | None = None
                        ) -> Generation:
         if not prompt_ids:
@@ -182,18 +245,6 @@ class RolloutEngine(ABC):
         with self._lock:
             self._tokens += len(out.token_ids)
         return out
-
-    async def stage_weights(self, bucket: Mapping[str, torch.Tensor]) -> None:
-        await self._stage(bucket)
-
-    async def commit_weights(self, version: int) -> None:
-        await self._commit(version)
-        self.version = version
-
-    async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """All weights in one bucket: stage, then commit."""
-        await self.stage_weights(state)
-        await self.commit_weights(version)
 
     def take_stats(self) -> dict[str, float]:
         """Idle seconds (no request in flight) and generated tokens since the previous call."""
@@ -220,3 +271,51 @@ class RolloutEngine(ABC):
                 self._in_flight -= 1
                 if self._in_flight == 0:
                     self._idle_since = time.perf_counter()
+
+
+def write_weights(tensors: Mapping[str, torch.Tensor], folder: str | None) -> str:
+    """One bucket as a safetensors file in ``folder`` (``/dev/shm``: memory, not disk) for a vLLM worker to read."""
+    import os
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    fd, path = tempfile.mkstemp(suffix=".safetensors", prefix="molt-weights-", dir=folder)
+    os.close(fd)
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, path)
+    return path
+
+
+async def update(engines: list[RolloutEngine], version: int, rejoin: bool = False) -> list[RolloutEngine]:
+    """The weight-update sequence, for one engine or every engine of a pool at once: each engine that serves is
+    paused, loads its staged buckets and is tagged with ``version``; only then do they all resume, so no engine
+    samples a token of ``version`` while another still loads it, and each engine's per-token versions stay its own
+    exact ones. An engine that is down, or goes down on the way (``EngineUnavailable``), is marked down and keeps the
+    update for when it is back (``defer``). ``rejoin``: the engines were down and answer again; they load what they
+    hold before they serve. Returns the engines that took the update."""
+
+    async def each(engines: list[RolloutEngine], phase: Callable[[RolloutEngine], Awaitable]) -> list[RolloutEngine]:
+        """``phase`` on every engine at once; those that fail with ``EngineUnavailable`` drop out, marked down."""
+        results = await asyncio.gather(*(phase(e) for e in engines), return_exceptions=True)
+        for engine, result in zip(engines, results):
+            if isinstance(result, EngineUnavailable):
+                engine.mark_down(f"the update to version {version} failed: {result}")
+            elif isinstance(result, BaseException):
+                raise result
+        return [e for e, r in zip(engines, results) if not isinstance(r, BaseException)]
+
+    async with AsyncExitStack() as locks:  # no engine's own reload (after a restart) runs during the update
+        for engine in engines:
+            engine.weights_lock = engine.weights_lock or asyncio.Lock()
+            await locks.enter_async_context(engine.weights_lock)
+        live = await each([e for e in engines if rejoin or e.healthy], lambda e: e.pause())
+        try:
+            live = await each(await each(live, lambda e: e.load()), lambda e: e.tag(version))
+        finally:
+            live = await each(live, lambda e: e.resume())
+        for engine in engines:
+            if engine in live:
+                engine.version = version
+            else:
+                engine.defer(version)
+    return live

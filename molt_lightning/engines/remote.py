@@ -2,12 +2,12 @@
 
 Token ids in, token ids out: ``POST /inference/v1/generate`` (vLLM's token-in/token-out route, ``--enable-scale-out``)
 returns the sampled ids, each one's logprob (the server runs ``--logprobs-mode processed_logprobs``: after
-temperature, as ``VLLMEngine``) and vLLM's own per-token weight-version spans. A weight update is the in-process
-engine's sequence over HTTP: ``/pause?mode=keep`` (requests in flight freeze), load (``/collective_rpc`` into
-``MoltWorkerExtension``), ``/reset_prefix_cache?reset_running_requests=true`` (requests in flight are preempted and
-their KV recomputed under the new weights), ``/update_weight_version``, ``/resume``. The spans are cut by the engine
-core between scheduler steps, so a token tagged v was sampled by weights v from a KV cache computed by weights v:
-the same guarantee as in-process, read from the same field.
+temperature, as ``VLLMEngine``) and vLLM's own per-token weight-version spans. A weight update runs the phases of
+``engines.base.update`` over HTTP: ``/pause?mode=keep`` (requests in flight freeze), load (``/collective_rpc`` into
+``MoltWorkerExtension``), tag (``/reset_prefix_cache?reset_running_requests=true``: requests in flight are
+preempted and their KV recomputed under the new weights; then ``/update_weight_version``), ``/resume``. The spans
+are cut by the engine core between scheduler steps, so a token tagged v was sampled by weights v from a KV cache
+computed by weights v: the same guarantee as in-process, read from the same field.
 
 Weights travel over a named channel:
 - ``shm``: safetensors files written under ``weight_dir`` (``/dev/shm``), their paths posted; the server reads them
@@ -15,7 +15,7 @@ Weights travel over a named channel:
 - ``http``: the safetensors bytes travel in the request body, base64 in the JSON ``collective_rpc`` args (vLLM's
   only route that reaches the worker with data; its weight routes take NCCL/IPC handles, not bytes).
   ``molt_load_weights_bytes`` decodes them. Cost: +33% size, a JSON parse in the API server and a msgpack copy to the
-  engine core and its worker (see ``benchmarks/remote_sync.py``).
+  engine core and its worker (measured by ``benchmarks/remote_sync.py``).
 - ``nccl`` (GPUs, across machines; the server runs ``molt serve --nccl``): the tensors are broadcast over an NCCL
   group of the trainer (rank 0) and the server's workers, through vLLM's weight-transfer routes
   (``/init_weight_transfer_engine`` once, then ``/start_weight_update``, ``/update_weights`` per bucket,
@@ -23,11 +23,12 @@ Weights travel over a named channel:
 
 Failures: every call has a timeout. A request that fails (connection refused or dropped, timeout, a 5xx, an aborted
 request) raises ``EngineUnavailable``: the agent's trajectory fails with that reason and is counted by the rollout
-source; a partial generation is never returned. A failed request or health check marks the engine down; a health
-task then polls ``/health`` and, when the server answers again (restarted or back), pushes it the last committed
-weights and version before it serves again. ``check`` (called by the rollout source while it waits) raises once the
-engine has been down longer than ``down_timeout_s``, so a run whose server is gone fails with a message instead of
-waiting. With ``url=None`` the engine starts its own loopback server (``molt_lightning.serve``) and stops it.
+source; a partial generation is never returned. A failed request or health check marks the engine down
+(``RolloutEngine.mark_down``); a health task then polls ``/health`` and, when the server answers again (restarted or
+back), loads it the last update's weights and version (the same ``update`` sequence, ``rejoin``) before it serves
+again. ``check`` (called by the rollout source while it waits) raises once the engine has been down longer than
+``down_timeout_s``, so a run whose server is gone fails with a message instead of waiting. With ``url=None`` the
+engine starts its own loopback server (``engines.server.LocalServer``) and stops it.
 
 Deviation: ``Sampling.seed`` is ignored, as in ``VLLMEngine`` (vLLM's CPU path fails with seeded requests).
 """
@@ -36,25 +37,20 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import logging
 import os
-import tempfile
-import time
 from collections.abc import Mapping
 from urllib.parse import urlparse
 
 import torch
 
 from . import nccl_channel
-from .base import Generation, RolloutEngine, Sampling
+from .base import EngineUnavailable, Generation, RolloutEngine, Sampling, update, write_weights
 
 log = logging.getLogger("molt_lightning.engines.remote")
 CHANNELS = ("auto", "shm", "http", "nccl")
-
-
-class EngineUnavailable(RuntimeError):
-    """A request could not be served by a remote engine (down, timed out, refused): nothing of it is kept."""
 
 
 class RemoteVLLMEngine(RolloutEngine):
@@ -80,14 +76,13 @@ class RemoteVLLMEngine(RolloutEngine):
         is sent as a bearer token. ``channel``: ``shm``, ``http``, ``nccl`` or ``auto`` (``shm`` for a loopback
         server). ``nccl``: the trainer hosts the group's rendezvous on ``nccl_master_address`` (default: this
         machine's address toward the server) and ``nccl_master_port``, which the server must reach."""
-        super().__init__()
+        super().__init__(down_timeout_s)
         if channel not in CHANNELS:
             raise ValueError(f"channel must be one of {CHANNELS}, got {channel!r}")
         self.url = url.rstrip("/") if url else None
         self.channel, self.api_key = channel, api_key if api_key is not None else os.environ.get("MOLT_API_KEY")
         self.request_timeout_s, self.connect_timeout_s = request_timeout_s, connect_timeout_s
-        self.weight_timeout_s, self.health_interval_s, self.down_timeout_s = weight_timeout_s, health_interval_s, \
-            down_timeout_s
+        self.weight_timeout_s, self.health_interval_s = weight_timeout_s, health_interval_s
         self.weight_dir = weight_dir if os.path.isdir(weight_dir) else None
         self.cpu_threads, self.start_timeout_s, self.server_args = cpu_threads, start_timeout_s, server_args or []
         self.nccl_master_port, self.nccl_master_address = nccl_master_port, nccl_master_address
@@ -98,26 +93,23 @@ class RemoteVLLMEngine(RolloutEngine):
         self._ids = itertools.count()
         # per bucket: ("shm", file path), ("http", base64 safetensors) or ("nccl", {name: host tensor})
         self._staged: list[tuple[str, object]] = []
-        self._current: list[tuple[str, object]] = []  # those of the last commit: a server that comes back gets them
-        self._down_since: float | None = None
-        self._down_reason = ""
+        self._current: list[tuple[str, object]] = []  # those of the last update: a server that comes back gets them
         self._health: asyncio.Task | None = None
-        self.weights_lock: asyncio.Lock | None = None  # one weight load at a time: a commit, or a rejoin
 
     # ----- lifecycle -----
-    async def start(self, model_path: str) -> None:
+    async def open(self, model_path: str) -> None:
         import httpx
 
-        self.weights_lock = asyncio.Lock()
         if self.channel == "nccl":
             nccl_channel.require_cuda()
         if self.url is None:
-            from ..serve import LocalServer
+            from .server import LocalServer
 
             extra = self.server_args + (nccl_channel.SERVER_ARGS if self.channel == "nccl" else [])
             self.server = LocalServer(model_path, cpu_threads=self.cpu_threads, extra_args=extra)
             self.url = self.server.url
             await asyncio.to_thread(self.server.wait_ready, self.start_timeout_s)
+        self.where = f"at {self.url}"
         if self.channel == "auto":
             self.channel = "shm" if urlparse(self.url).hostname in ("127.0.0.1", "localhost", "::1") else "http"
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -132,12 +124,12 @@ class RemoteVLLMEngine(RolloutEngine):
             self.vocab_size = int((await self._rpc("molt_vocab_size", timeout=30))[0])
             await self._post("/update_weight_version", json={"new_version": str(self.version)})
         except EngineUnavailable as e:
-            await self.shutdown()
+            await self.close()
             raise EngineUnavailable(f"{e}. Is `molt serve --policy {model_path}` running there (and reachable, with "
                                     "the same --api-key)?") from None
         self._health = asyncio.create_task(self._watch())
 
-    async def shutdown(self) -> None:
+    async def close(self) -> None:
         if self._health is not None:
             self._health.cancel()
             self._health = None
@@ -150,21 +142,11 @@ class RemoteVLLMEngine(RolloutEngine):
             await asyncio.to_thread(self.server.stop)
             self.server, self.url = None, None
 
-    @property
-    def alive(self) -> bool:
-        return self._down_since is None
-
-    async def wait_alive(self) -> None:
+    async def wait_healthy(self) -> None:
         """Return once the engine serves; raise ``EngineUnavailable`` once it has been down ``down_timeout_s``."""
-        while not self.alive:
+        while not self.healthy:
             self.check()
             await asyncio.sleep(min(0.2, self.health_interval_s))
-
-    def check(self) -> None:
-        if self._down_since is not None and time.monotonic() - self._down_since > self.down_timeout_s:
-            raise EngineUnavailable(f"the engine at {self.url} has been down for more than {self.down_timeout_s:.0f} "
-                                    f"s ({self._down_reason}); restart its server (`molt serve`) or raise "
-                                    "down_timeout_s")
 
     async def pause(self) -> None:
         await self._post("/pause", params={"mode": "keep", "clear_cache": "false"})
@@ -174,7 +156,7 @@ class RemoteVLLMEngine(RolloutEngine):
 
     # ----- generation -----
     async def _generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
-        await self.wait_alive()
+        await self.wait_healthy()
         body = {
             "request_id": f"molt-{next(self._ids)}", "token_ids": prompt_ids, "stream": False,
             "sampling_params": {
@@ -197,48 +179,31 @@ class RemoteVLLMEngine(RolloutEngine):
                                "start it with `molt serve` (processed logprobs, weight versions set)")
         return Generation(ids, logprobs, versions, out["finish_reason"])
 
-    # ----- weights -----
-    async def _stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
+    # ----- weights (the phases of engines.base.update) -----
+    async def stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
         self._staged.append(await asyncio.to_thread(self._serialize, bucket))
 
-    async def _commit(self, version: int) -> None:
-        """Pause, load, reset, tag, resume. A server that is down, or goes down during the update, keeps the update
-        for when it answers again (``adopt_staged``): it then loads it before it serves."""
-        async with self.weights_lock:
-            if not self.alive:
-                return self.adopt_staged(version)
-            try:
-                await self.pause()
-                try:
-                    await self.load_staged()
-                    await self.finish_update(version)
-                finally:
-                    await self.resume()
-            except EngineUnavailable as e:
-                self.mark_down(f"the update to version {version} failed: {e}")
-                self.adopt_staged(version)
+    async def load(self) -> None:
+        """Load the staged buckets (a new update: they become what a returning server gets), or, with none staged
+        (a server that comes back), the current ones."""
+        self._adopt()
+        await self._load(self._current)
 
-    async def load_staged(self) -> None:
-        """Load the staged buckets (the server is paused); they become the ones a returning server gets."""
-        await self._load(self._staged)
-        self.adopt_staged(self.version)
-
-    def adopt_staged(self, version: int) -> None:
-        """Make the staged buckets and ``version`` current without touching the server (down: see ``_rejoin``)."""
-        if self._staged:
-            self._discard(self._current)
-            self._current, self._staged = self._staged, []
-        self.version = version
-
-    async def finish_update(self, version: int) -> None:
-        """(Paused, weights loaded.) Drop every KV block the old weights computed, running requests' included, and
-        tag what is sampled from now on with ``version``."""
+    async def tag(self, version: int) -> None:
         reset = await self._post("/reset_prefix_cache", params={"reset_running_requests": "true"})
         if not reset.get("success"):
             raise RuntimeError(f"the engine at {self.url} could not reset its prefix cache after a weight load: "
                                "tokens would be sampled from KV of the old weights")
         await self._post("/update_weight_version", json={"new_version": str(version)})
+
+    def defer(self, version: int) -> None:
+        self._adopt()  # down: a server that comes back loads this update before it serves (``_rejoin``)
         self.version = version
+
+    def _adopt(self) -> None:
+        if self._staged:
+            self._discard(self._current)
+            self._current, self._staged = self._staged, []
 
     async def _load(self, payload: list[tuple[str, object]]) -> None:
         """The one step that differs between channels: put the buckets' tensors into the (paused) server."""
@@ -249,23 +214,20 @@ class RemoteVLLMEngine(RolloutEngine):
             await self._nccl.load(items)
 
     def _serialize(self, state: Mapping[str, torch.Tensor]) -> tuple[str, object]:
-        from safetensors.torch import save, save_file
+        from safetensors.torch import save
 
         if self.channel == "nccl":  # a copy: the trainer's tensors change after the commit, the bucket must not
             return "nccl", {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
         if self.channel == "http":
-            return "http", base64.b64encode(save(tensors)).decode("ascii")
-        fd, path = tempfile.mkstemp(suffix=".safetensors", prefix="molt-remote-", dir=self.weight_dir)
-        os.close(fd)
-        save_file(tensors, path)
-        return "shm", path
+            return "http", base64.b64encode(save({k: v.detach().to("cpu").contiguous()
+                                                  for k, v in state.items()})).decode("ascii")
+        return "shm", write_weights(state, self.weight_dir)
 
     @staticmethod
     def _discard(payload: list[tuple[str, object]]) -> None:
-        for kind, path in payload:
-            if kind == "shm":
-                _unlink(path)
+        for path in [path for kind, path in payload if kind == "shm"]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     async def weight_checksums(self) -> dict[str, float]:
         """Sum of every parameter inside the engine, by vLLM's parameter names (for tests)."""
@@ -281,32 +243,19 @@ class RemoteVLLMEngine(RolloutEngine):
             except EngineUnavailable as e:
                 self.mark_down(str(e))
                 continue
-            if not self.alive:
+            if not self.healthy:
                 await self._rejoin()
 
     async def _rejoin(self) -> None:
+        log.warning("the engine at %s answers again: loading version %d before it serves", self.url, self.version)
+        if self._nccl is not None:
+            self._nccl.reset()  # the server may have restarted: it joins a new group
         try:
-            log.warning("the engine at %s answers again: loading version %d before it serves", self.url, self.version)
-            async with self.weights_lock:
-                if self._nccl is not None:
-                    self._nccl.reset()  # the server may have restarted: it joins a new group
-                await self.pause()
-                try:
-                    if self._current:
-                        await self._load(self._current)
-                    await self.finish_update(self.version)
-                finally:
-                    await self.resume()
-            self._down_since = None
-            log.warning("the engine at %s serves again (version %d)", self.url, self.version)
-        except (EngineUnavailable, RuntimeError) as e:
+            if await update([self], self.version, rejoin=True):
+                self._down_since = None  # up: it serves again
+                log.warning("the engine at %s serves again (version %d)", self.url, self.version)
+        except RuntimeError as e:  # e.g. its prefix cache did not reset: it stays down, and is tried again
             self.mark_down(f"could not reload its weights: {e}")
-
-    def mark_down(self, reason: str) -> None:
-        if self._down_since is None:
-            log.warning("the engine at %s is down: %s", self.url, reason)
-            self._down_since = time.monotonic()
-        self._down_reason = reason
 
     # ----- HTTP -----
     async def _rpc(self, method: str, *args, timeout: float | None = None):
@@ -343,9 +292,3 @@ class RemoteVLLMEngine(RolloutEngine):
             self.mark_down(err)
         raise EngineUnavailable(err)
 
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

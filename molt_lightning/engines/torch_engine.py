@@ -55,8 +55,8 @@ class TorchEngine(RolloutEngine):
         self._staged: dict[str, torch.Tensor] = {}
         self._scheduler: asyncio.Task | None = None
 
-    async def start(self, model_path: str) -> None:
-        from ..policy import load_lm
+    async def open(self, model_path: str) -> None:
+        from ..models import load_lm
 
         self.model = load_lm(model_path, self.dtype).to(self.device).eval()
         self._names = set(dict(self.model.named_parameters()))  # what a sync must carry
@@ -79,13 +79,15 @@ class TorchEngine(RolloutEngine):
         self._pending = asyncio.Queue()
         self._scheduler = asyncio.create_task(self._schedule())
 
-    async def shutdown(self) -> None:
+    async def close(self) -> None:
         if self._scheduler is not None:
             self._scheduler.cancel()
             self._scheduler = None
 
     async def pause(self) -> None:
         self._unpaused.clear()
+        await asyncio.to_thread(self._weights.acquire)  # the decode step in progress finishes; no other starts
+        self._weights.release()
 
     async def resume(self) -> None:
         self._unpaused.set()
@@ -96,29 +98,31 @@ class TorchEngine(RolloutEngine):
         await self._pending.put((prompt_ids, sampling, images, done))
         return await done
 
-    async def _stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
+    async def stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
         # copies: commit_weights returns while the engine loads, and the trainer's next optimizer step may change the
         # tensors it staged in place before the load runs (tests/test_engines.py::test_torch_engine_stage_copies)
         self._staged.update({k: v.detach().clone() for k, v in bucket.items()})
 
-    async def _commit(self, version: int) -> None:
+    async def load(self) -> None:
         state, self._staged = self._staged, {}
-        await asyncio.to_thread(self._swap, state, version)
-
-    def _swap(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         missing = self._names - set(state)
         unknown = set(state) - self._names if self.adapter is not None else set()  # full: extras are ignored
         if missing or unknown:
             what = "adapter tensors (peft names)" if self.adapter is not None else "parameters (HF names)"
-            raise KeyError(f"update_weights expects this engine's {what}: missing {sorted(missing)[:5]}, unknown "
+            raise KeyError(f"a weight update must carry this engine's {what}: missing {sorted(missing)[:5]}, unknown "
                            f"{sorted(unknown)[:5]}. A LoRA policy's engine must be launched with its adapter")
-        with self._weights:  # waits for the decode step in progress
+        await asyncio.to_thread(self._swap, state)
+
+    def _swap(self, state: Mapping[str, torch.Tensor]) -> None:
+        with self._weights:
             if self.adapter is None:
                 self.model.load_state_dict(state, strict=False)
             else:
                 for name, t in state.items():
                     self._adapter_params[name].copy_(t)
-            self.version = version
+
+    async def tag(self, version: int) -> None:
+        self.version = version  # paused: the next decode step recomputes the context's KV under it
 
     async def _schedule(self) -> None:
         while True:
@@ -164,6 +168,8 @@ class TorchEngine(RolloutEngine):
         while any(alive):
             self._unpaused.wait()
             with self._weights:
+                if not self._unpaused.is_set():  # paused while this step waited for the lock: wait again
+                    continue
                 version = self.version
                 extra = {}
                 if version != seen:  # first step, or new weights: (re)compute the whole context's KV

@@ -3,16 +3,17 @@
 Prompts go in as token ids (never text). ``logprobs_mode="processed_logprobs"`` makes each returned logprob the
 sampled token's logprob after temperature, i.e. under the distribution it was actually drawn from; the trainer applies
 the same temperature when it recomputes. Per-token policy versions come from vLLM's own weight-version spans
-(``update_weight_version``), so a request that spans an in-flight update is tagged exactly. A weight update pauses the
-scheduler with ``mode="keep"`` (requests in flight freeze), loads the weights through ``MoltWorkerExtension`` and
-resets the prefix cache with ``reset_running_requests=True``: requests in flight are preempted and their KV is
-recomputed under the new weights. So every token tagged version v was sampled from policy v given its whole context;
-neither stale prefix-cache entries nor an in-flight request's old KV leak the previous weights into it.
+(``update_weight_version``), so a request that spans an in-flight update is tagged exactly. A weight update (the
+phases of ``engines.base.update``) pauses the scheduler with ``mode="keep"`` (requests in flight freeze), loads the
+weights through ``MoltWorkerExtension``, and tags the version after resetting the prefix cache with
+``reset_running_requests=True``: requests in flight are preempted and their KV is recomputed under the new weights.
+So every token tagged version v was sampled from policy v given its whole context; neither stale prefix-cache entries
+nor an in-flight request's old KV leak the previous weights into it.
 
 A LoRA policy (``self.adapter``, set at launch): the engine starts with ``enable_lora=True`` and serves the base model
-plus the newest committed adapter, one ``LoRARequest`` per version (``vllm_lora.AdapterSlots``): a commit adds an
-adapter (no pause, no cache reset, no base-weight reload), and every token of a request is tagged with the version of
-the adapter that request carries.
+plus the newest adapter, one ``LoRARequest`` per version (``vllm_lora.AdapterSlots``): the update's ``tag`` phase adds
+the staged adapter under the new version (no pause, no cache reset, no base-weight reload), and every token of a
+request is tagged with the version of the adapter that request carries.
 
 Requests are not seeded one by one (``Sampling.seed`` is ignored here): with a seeded request, vLLM's CPU path
 fails once a prompt's prefill is split across scheduler steps ("CPU Generator does not use offset", then a dead
@@ -27,12 +28,12 @@ vLLM's names: ``vision_tower.*`` -> ``vision_tower.vision_model.*``, see the pro
 
 vLLM is imported only in ``start``: importing this module is cheap.
 
-Client-side cost per request (``benchmarks/overhead_profile.py``): vLLM's statistics loggers are off
+Client-side cost per request (measured by ``benchmarks/overhead_profile.py``): vLLM's statistics loggers are off
 (``disable_log_stats``; the step metrics count tokens themselves), prompts go in as rendered token inputs (vLLM skips
 its tokenizer pass and the thread-pool hop it makes for raw prompts), a request's output is built once when it finishes
 (``FINAL_ONLY``, not a cumulative copy after every token), request ids are a counter, not ``uuid4``, and with
 ``cpu_threads`` the engine's processes start bound to those cores, so that its scheduler process, which busy-waits on
-its workers between steps, keeps off the trainer's core (measured in the README's overhead budget).
+its workers between steps, keeps off the trainer's core.
 
 vLLM starts its engine core in a new process with multiprocessing's *spawn*, which imports the main script again
 (as ``__mp_main__``): a script that runs its training at the top level, outside ``if __name__ == "__main__":``,
@@ -51,7 +52,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .base import Adapter, Generation, RolloutEngine, Sampling
+from .base import Adapter, Generation, RolloutEngine, Sampling, write_weights
 from .main_guard import require_main_guard
 from .vllm_lora import AdapterSlots, vllm_rank
 
@@ -112,7 +113,7 @@ class VLLMEngine(RolloutEngine):
             require_main_guard()
         super().launch(model_path, adapter)
 
-    async def start(self, model_path: str) -> None:
+    async def open(self, model_path: str) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if self.cpu_threads is not None:
@@ -143,7 +144,7 @@ class VLLMEngine(RolloutEngine):
         if self.captures_routing and not (await self.llm.collective_rpc("molt_capture_routing"))[0]:
             raise ValueError(f"VLLMEngine(capture_routing=True): {model_path} has no mixture-of-experts layers")
 
-    async def shutdown(self) -> None:
+    async def close(self) -> None:
         if self.adapters is not None:
             self.adapters.close()
             self.adapters = None
@@ -152,10 +153,12 @@ class VLLMEngine(RolloutEngine):
             self.llm = None
 
     async def pause(self) -> None:
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        if self.adapters is None:  # a new adapter version needs no pause: each request keeps its own adapter
+            await self.llm.pause_generation(mode="keep", clear_cache=False)
 
     async def resume(self) -> None:
-        await self.llm.resume_generation()
+        if self.adapters is None:
+            await self.llm.resume_generation()
 
     async def _generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
         from vllm import SamplingParams
@@ -223,39 +226,29 @@ class VLLMEngine(RolloutEngine):
                 else:
                     done.set_result(routing)
 
-    async def _stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
-        if self.adapters is not None:  # adapter tensors are small: written as one peft folder at commit
+    async def stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
+        if self.adapters is not None:  # adapter tensors are small: written as one peft folder when tagged
             self._staged_adapter.update(bucket)
             return
-        self._staged.append(await asyncio.to_thread(self._write, bucket))  # the bucket's memory can go now
+        self._staged.append(await asyncio.to_thread(write_weights, bucket, self.weight_dir))  # its memory can go
 
-    async def _commit(self, version: int) -> None:
+    async def load(self) -> None:
         if self.adapters is not None:
-            tensors, self._staged_adapter = self._staged_adapter, {}
-            await self.adapters.commit(tensors, version)
-            return
+            return  # an adapter is loaded under its version, by tag
         paths, self._staged = self._staged, []
         try:
-            await self.pause()
-            try:
-                await self.llm.collective_rpc("molt_load_weights", args=(paths,))
-                await self.llm.reset_prefix_cache(reset_running_requests=True)
-                await self.llm.update_weight_version(str(version))
-            finally:
-                await self.resume()
+            await self.llm.collective_rpc("molt_load_weights", args=(paths,))
         finally:
             for path in paths:
                 os.unlink(path)
 
-    def _write(self, state: Mapping[str, torch.Tensor]) -> str:
-        import tempfile
-
-        from safetensors.torch import save_file
-
-        fd, path = tempfile.mkstemp(suffix=".safetensors", prefix="molt-weights-", dir=self.weight_dir)
-        os.close(fd)
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, path)
-        return path
+    async def tag(self, version: int) -> None:
+        if self.adapters is not None:
+            tensors, self._staged_adapter = self._staged_adapter, {}
+            await self.adapters.commit(tensors, version)
+            return
+        await self.llm.reset_prefix_cache(reset_running_requests=True)
+        await self.llm.update_weight_version(str(version))
 
     async def weight_checksums(self) -> dict[str, float]:
         """Sum of every parameter inside the engine, by vLLM's parameter names (for tests)."""

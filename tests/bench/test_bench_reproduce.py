@@ -40,8 +40,10 @@ def test_reproduce_a_recipe_run_from_a_registry(tmp_path, capsys):
         "trainer": {"accelerator": "cpu", "max_steps": 3, "enable_progress_bar": False, "log_every_n_steps": 1,
                     "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
                                "init_args": {"save_dir": "runs", "name": "tiny"}}},
-        "model": {"engine": {"class_path": "molt_lightning.engines.TorchEngine"}, "group_size": 4,
-                  "prompts_per_step": 2, "torch_threads": 1}}))
+        "model": {"engine": {"class_path": "molt_lightning.engines.TorchEngine"},
+                  "agent": "molt_lightning.tasks.arithmetic.calculator_agent",
+                  "tasks": "molt_lightning.tasks.arithmetic.tasks",
+                  "rollout": {"group_size": 4, "prompts_per_step": 2}, "torch_threads": 1}}))
     registry = tmp_path / "reported.yaml"
     registry.write_text(yaml.safe_dump({"tiny-run": {
         "where": "a test", "minutes": 1, "reported": "reward 0.1 -> 0.2\n",

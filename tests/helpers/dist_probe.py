@@ -9,7 +9,7 @@ import os
 
 import lightning as L
 
-from molt_lightning.lora import sync_buckets
+from molt_lightning.weights import buckets
 
 
 class Probe(L.Callback):
@@ -30,9 +30,9 @@ class Probe(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         # the engine serves the version pushed at the end of the previous step: compare it with the gathered weights
-        full = {k: v for b in sync_buckets(pl_module.policy.lm, 2**20) for k, v in b.items()}  # what a sync sends
+        full = {k: v for b in buckets(pl_module.policy.lm, 2**20) for k, v in b.items()}  # what a sync sends
         if trainer.global_rank == 0 and hasattr(pl_module.engine, "model"):  # the torch engine's weights are readable
-            pl_module.source.settle_weights()  # the push returned while the engine was loading: wait for it
+            pl_module.weights.settle()  # the push returned while the engine was loading: wait for it
             engine = dict(pl_module.engine.model.named_parameters())
             if pl_module.engine.adapter is not None:  # a LoRA policy: the engine's adapter, by peft's names
                 from peft import get_peft_model_state_dict

@@ -21,6 +21,8 @@ from train_step import StepBench  # noqa: E402
 
 from molt_lightning import parallel  # noqa: E402
 from molt_lightning.algorithms import Algorithm  # noqa: E402
+from molt_lightning.config import Batching, MoE, Optim  # noqa: E402
+from molt_lightning.weights import buckets as sync_buckets  # noqa: E402
 from molt_lightning.engines import TorchEngine  # noqa: E402
 from molt_lightning.moe import ROUTING_DTYPE  # noqa: E402
 
@@ -28,7 +30,7 @@ MOE = "molt_lightning.models.tiny.moe_policy"
 
 
 def full_state(lm, bucket_bytes: int = 2**30) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for b in parallel.full_state_buckets(lm, bucket_bytes) for k, v in b.items()}
+    return {k: v.clone() for b in sync_buckets(lm, bucket_bytes) for k, v in b.items()}
 
 
 NORMS: list[float] = []  # the gradient norm of every optimizer step (the loop's clip_grad_norm_ returns it)
@@ -54,7 +56,7 @@ class EPStep(StepBench):
 
     def train_dataloader(self):
         loader = super().train_dataloader()
-        if self.hparams.routing == "replay":  # a fixed random record: k distinct experts per position and layer
+        if self.moe.routing == "replay":  # a fixed random record: k distinct experts per position and layer
             batch = next(iter(loader))
             cfg = self.policy.lm.config
             g = torch.Generator().manual_seed(1)
@@ -84,9 +86,9 @@ class EPStep(StepBench):
         engine, loop = None, asyncio.new_event_loop()
         if self.global_rank == 0:
             engine = TorchEngine()
-            loop.run_until_complete(engine.start(self.policy_path))
+            loop.run_until_complete(engine.open(self.policy_path))
         buckets = 0
-        for bucket in parallel.full_state_buckets(self.policy.lm, 64 * 2**10):
+        for bucket in sync_buckets(self.policy.lm, 64 * 2**10):
             buckets += 1
             if engine is not None:
                 loop.run_until_complete(engine.stage_weights(bucket))
@@ -94,13 +96,14 @@ class EPStep(StepBench):
             loop.run_until_complete(engine.commit_weights(1))
             self.out["engine"] = {k: v.detach().clone() for k, v in engine.model.named_parameters()}
             self.out["buckets"] = buckets
-            loop.run_until_complete(engine.shutdown())
+            loop.run_until_complete(engine.close())
             torch.save(self.out, sys.argv[3])
 
 
 if __name__ == "__main__":
-    module = EPStep(16, 48, "chunked", policy=MOE, torch_threads=1, micro_batch_tokens=200, grad_clip=0,
-                    algo=Algorithm(aggregation="seq_mean_token_mean"), routing=sys.argv[4], router_aux_coef=0.01)
+    module = EPStep(16, 48, "chunked", policy=MOE, torch_threads=1, batching=Batching(micro_batch_tokens=200),
+                    optim=Optim(grad_clip=0), algo=Algorithm(aggregation="seq_mean_token_mean"),
+                    moe=MoE(routing=sys.argv[4], aux_coef=0.01))
     trainer = L.Trainer(accelerator="cpu", devices=int(sys.argv[2]), strategy=sys.argv[1], max_steps=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module)

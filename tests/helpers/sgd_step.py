@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from train_step import POLICIES, StepBench  # noqa: E402
 
 from molt_lightning.algorithms import Algorithm  # noqa: E402
-from molt_lightning.parallel import full_state_buckets  # noqa: E402
+from molt_lightning.config import Batching, Optim  # noqa: E402
+from molt_lightning.weights import buckets  # noqa: E402
 
 
 class SGDStep(StepBench):
@@ -22,14 +23,15 @@ class SGDStep(StepBench):
         return torch.optim.SGD(self.trainable_parameters(), lr=1.0)  # scale-sensitive, unlike Adam
 
     def on_train_end(self):
-        full = {k: v for b in full_state_buckets(self.policy.lm, 2**30) for k, v in b.items()}
+        full = {k: v for b in buckets(self.policy.lm, 2**30) for k, v in b.items()}
         if self.global_rank == 0:
             torch.save(full, sys.argv[3])
 
 
 if __name__ == "__main__":
-    module = SGDStep(16, 48, "chunked", policy=POLICIES["tiny"], torch_threads=1, micro_batch_tokens=200,
-                     grad_clip=0, algo=Algorithm(aggregation="seq_mean_token_mean"))
+    module = SGDStep(16, 48, "chunked", policy=POLICIES["tiny"], torch_threads=1,
+                     batching=Batching(micro_batch_tokens=200), optim=Optim(grad_clip=0),
+                     algo=Algorithm(aggregation="seq_mean_token_mean"))
     trainer = L.Trainer(accelerator="cpu", devices=int(sys.argv[2]), strategy=sys.argv[1], max_steps=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module)

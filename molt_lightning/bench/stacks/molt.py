@@ -84,6 +84,7 @@ def run_seed(protocol, seed: int, workdir: Path, options: dict):
     from lightning.pytorch.loggers import CSVLogger
 
     from ...algorithms import Algorithm
+    from ...config import Batching, Optim, Rollout
     from ...module import AsyncRLModule
     from .. import importers, runs
 
@@ -91,16 +92,18 @@ def run_seed(protocol, seed: int, workdir: Path, options: dict):
     algo_fields = {f.name for f in dataclasses.fields(Algorithm)}
     algo = Algorithm(**{k: v for k, v in p["algorithm"].items() if k in algo_fields})
     L.seed_everything(seed, workers=True, verbose=False)
-    module = AsyncRLModule(
-        policy=p["model"]["policy"], agent=dotted(p["task"]["agent"]), tasks=dotted(p["task"]["tasks"]),
-        engine=make_engine(options.get("engine", "torch"), seed),
+    rollout = Rollout(
         group_size=int(p["batch"]["samples_per_prompt"]), prompts_per_step=int(p["batch"]["prompts_per_step"]),
-        max_lag=int(p["max_lag"]), temperature=float(p["sampling"]["temperature"]), task_seed=seed, algo=algo,
-        lr=float(p["optimizer"]["lr"]), weight_decay=float(p["optimizer"]["weight_decay"]),
-        grad_clip=float(p["optimizer"]["grad_clip"]), dtype=p["model"].get("dtype", "float32"),
+        max_lag=int(p["max_lag"]), temperature=float(p["sampling"]["temperature"]), task_seed=seed,
+        admit_ahead=options.get("admit_ahead", True), switch_interval_ms=options.get("switch_interval_ms"))
+    optim = Optim(lr=float(p["optimizer"]["lr"]), weight_decay=float(p["optimizer"]["weight_decay"]),
+                  grad_clip=float(p["optimizer"]["grad_clip"]))
+    module = AsyncRLModule(
+        dotted(p["task"]["agent"]), dotted(p["task"]["tasks"]), policy=p["model"]["policy"],
+        engine=make_engine(options.get("engine", "torch"), seed), rollout=rollout, algo=algo, optim=optim,
+        batching=Batching(**{k: int(p["algorithm"][k]) for k in LOOP_KEYS if k in p["algorithm"]}),
+        dtype=p["model"].get("dtype", "float32"),
         torch_threads=options.get("torch_threads") or (1 if options.get("engine") == "vllm" else None),
-        admit_ahead=options.get("admit_ahead", True), switch_interval_ms=options.get("switch_interval_ms"),
-        **{k: int(p["algorithm"][k]) for k in LOOP_KEYS if k in p["algorithm"]},
     )
     logger = CSVLogger(str(workdir), name="lightning_logs")
     for name in ("lightning.pytorch", "lightning.fabric"):
@@ -109,7 +112,7 @@ def run_seed(protocol, seed: int, workdir: Path, options: dict):
         warnings.simplefilter("ignore")  # Lightning's "no validation"/"few workers" advice is noise here
         trainer = L.Trainer(
             # a protocol's steps are rollout batches; Lightning's max_steps counts optimizer steps
-            max_steps=int(p["steps"]) * module.hparams.updates_per_batch * module.hparams.mini_batches,
+            max_steps=int(p["steps"]) * module.batching.updates_per_batch * module.batching.mini_batches,
             logger=logger, log_every_n_steps=1,
             enable_checkpointing=False, accelerator="cpu", devices=1, enable_progress_bar=False,
             enable_model_summary=False, precision=p["model"].get("precision", "32-true"),
