@@ -30,7 +30,7 @@ from typing import Any
 from .chat import ChatTemplate, Message
 from .endpoint import Endpoint
 from .engines.base import Generation, RolloutEngine, Sampling
-from .trajectory import Kind, Span, Status, Trajectory, place_routing, segment_images
+from .trajectory import ContextOverflow, Kind, Span, Status, Trajectory, place_routing, segment_images
 from .vision import ImageInputs, load_processor
 
 
@@ -40,10 +40,6 @@ class AgentResult:
 
     reward: float
     info: dict[str, Any] = field(default_factory=dict)
-
-
-class ContextOverflow(RuntimeError):
-    pass
 
 
 class GeneratedImagePlaceholder(RuntimeError):
@@ -99,7 +95,8 @@ class AgentClient:
 
     def openai(self):
         """A stock ``openai.AsyncOpenAI`` bound to this trajectory: ``AsyncOpenAI(base_url=client.base_url,
-        api_key=client.api_key)`` without the ~40 ms it takes to build one (it shares the run's connection pool)."""
+        api_key=client.api_key)`` without the cost of building one (its TLS context; it shares the run's connection
+        pool)."""
         if self.endpoint is None:
             raise RuntimeError("no OpenAI-compatible endpoint serves this client (it needs a chat template)")
         return self.endpoint.openai(self.api_key)

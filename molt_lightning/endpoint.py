@@ -33,6 +33,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from .trajectory import ContextOverflow
+
 if TYPE_CHECKING:
     from .client import AgentClient
 
@@ -67,7 +69,7 @@ class Endpoint:
 
     def openai(self, api_key: str):
         """A stock ``openai.AsyncOpenAI`` for this endpoint with ``api_key``, sharing one HTTP connection pool: building
-        a fresh client costs about 40 ms of CPU (its TLS context), more than a tiny policy's whole turn."""
+        a fresh client costs more CPU (its TLS context) than a tiny policy's whole turn."""
         if self._openai is None:
             import openai
 
@@ -134,8 +136,6 @@ class Endpoint:
             async with client.lock:
                 message, out = await client.chat_turn(messages, max_tokens=max_tokens, tools=tools)
         except Exception as e:  # refused, or ContextOverflow and friends (the client's own clear errors)
-            from .client import ContextOverflow
-
             code = "context_length_exceeded" if isinstance(e, ContextOverflow) else None
             err = e if isinstance(e, RequestError) else RequestError(
                 400 if code else 500, f"{type(e).__name__}: {e}", "messages" if code else None, code,

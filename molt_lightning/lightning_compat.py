@@ -2,11 +2,12 @@
 
 Lightning 2.6's ``_ResultCollection.log`` calls ``_ResultMetric.to(value.device)`` for every value logged, on every
 step, and ``to`` walks the metric's whole ``__dict__`` with ``apply_to_collection`` (deep-copying its metadata
-dataclass on the way) even when nothing has to move: 0.2-1 ms per key on this CPU, about 10 ms of a default step's
-~50 metrics (Lightning issue #20388; an open upstream pull request short-circuits the same case). ``patch()`` makes a
-move to the device where the metric's state already is a no-op; every other call (a first move, another device, a
-dtype, keyword arguments, a wrapped torchmetrics ``Metric``) takes Lightning's own path unchanged. Applied once, on
-import of ``molt_lightning.module``; ``tests/test_lightning_compat.py`` checks that logged metrics stay the same.
+dataclass on the way) even when nothing has to move: a visible share of a small step that logs some fifty metrics
+(measured in docs/speed.md; Lightning issue #20388; an open upstream pull request short-circuits the same case).
+``patch()`` makes a move to the device where the metric's state already is a no-op; every other call (a first move,
+another device, a dtype, keyword arguments, a wrapped torchmetrics ``Metric``) takes Lightning's own path unchanged.
+Applied once, on import of ``molt_lightning.module``; ``tests/test_lightning_compat.py`` checks that logged metrics
+stay the same.
 """
 
 from __future__ import annotations

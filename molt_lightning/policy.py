@@ -2,7 +2,8 @@
 
 RL needs, for each *sampled* token, its logprob under the current policy at the sampling temperature (and the
 entropy of that distribution, and a value for critic estimators). The plain route, ``lm(ids).logits``, builds a float
-(N, T, V) tensor and its gradient: 8 GB for a 16 x 128 batch of a 49k-vocabulary model. Here the decoder's hidden
+(N, T, V) tensor and its gradient: a float per token and vocabulary entry, gigabytes for a small batch of a
+49k-vocabulary model. Here the decoder's hidden
 states are taken for the policy tokens only (prompt and tool tokens are never trained on, so their logits are never
 computed), and the output head runs over them in chunks of ``chunk_tokens`` rows, each under activation
 checkpointing, so at most one (chunk, V) block of logits exists at a time, in the forward pass and in the backward.

@@ -46,6 +46,10 @@ class ConsistencyError(RuntimeError):
     """A token would be trained on without an engine record, or with an impossible version."""
 
 
+class ContextOverflow(RuntimeError):
+    """A segment would grow past the run's ``max_context`` (the agent's client refuses the request)."""
+
+
 @dataclass
 class Span:
     kind: Kind

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import torch
+from inflight import decoding, started_together
 from safetensors.torch import load_file
 
 from molt_lightning.chat import ChatTemplate
@@ -130,53 +131,32 @@ def test_vllm_sampled_logprobs_are_the_processed_ones(served_engine, prompts, we
 def _in_flight_update(engine, prompts, weights, hf_model, continuous: bool = False):
     """Requests in flight across an update: each token's logprob is that of the weights its version names.
 
-    ``continuous`` (vLLM-backed engines: continuous batching, first come first served): the engine is paused while
-    the long requests arrive (vLLM queues them), so once it holds them all (``held``: a server's ``/load``, the
-    in-process engine's own count) they start together when it resumes, however slow the machine or the HTTP client
-    is; then two 2-token requests are sent, and the update is sent when the first of them returns: the long ones are
-    generating then (each has at least one token and most of its 200 to go). Otherwise (static batches: a short
-    request returns only with its batch) the delay after which the update is sent is bisected until it lands
-    mid-generation."""
+    The update is sent once the long requests are generating, whatever the machine's speed. ``continuous``
+    (vLLM-backed engines: continuous batching, first come first served): the long requests start together
+    (``started_together``), then two 2-token requests are sent, and the update goes when the first of them returns
+    (each long one has at least a token and most of its 200 to go). Otherwise (torch engines, static batches): when
+    every engine has run a few decode steps of the batch (``decoding``)."""
     w0, w1 = weights, perturbed(weights, 0.3, seed=3)
     long = Sampling(max_tokens=200 if continuous else 120, temperature=1.0, ignore_eos=True)
 
-    async def scenario(delay: float):
+    async def scenario():
         if continuous:
-            await engine.pause()
-        tasks = [asyncio.ensure_future(engine.generate(p, long)) for p in prompts * 3]
-        if continuous:
-            deadline = asyncio.get_running_loop().time() + 120
-            try:
-                while (n := await held(engine)) < len(tasks):  # every long request is queued before any runs
-                    assert asyncio.get_running_loop().time() < deadline, \
-                        f"vLLM holds {n} of the {len(tasks)} requests after 120 s"
-                    await asyncio.sleep(0.01)
-            finally:
-                await engine.resume()
+            tasks = await started_together(engine, [engine.generate(p, long) for p in prompts * 3])
             short = [asyncio.ensure_future(engine.generate(p, Sampling(max_tokens=2, temperature=1.0,
                                                                         ignore_eos=True))) for p in prompts[:2]]
             await asyncio.wait(short, return_when=asyncio.FIRST_COMPLETED)
         else:
-            await asyncio.sleep(delay)
+            with decoding(engine, steps=5) as generating:
+                tasks = [asyncio.ensure_future(engine.generate(p, long)) for p in prompts * 3]
+                assert await asyncio.to_thread(generating.wait, 120), "no decode steps within 120 s"
         await engine.update_weights(w1, 11)
         if continuous:
             await asyncio.gather(*short)
         return await asyncio.gather(*tasks)
 
-    # static batches: a loaded machine delays the first tokens, a fast one ends early; bisect until the update lands
-    early, late, tried = 0.0, None, []
-    for _attempt in range(3 if continuous else 8):
-        delay = 0.2 if not tried else (early + late) / 2 if late is not None else early * 2
-        engine.call(engine.update_weights(w0, 10))
-        outs = engine.call(scenario(delay))
-        seen = sorted({tuple(sorted(set(o.versions))) for o in outs})
-        tried.append((round(delay, 3), seen) if not continuous else seen)
-        if (10, 11) in seen:
-            break
-        if seen == [(10,)]:  # every request finished before the update
-            late = delay
-        else:  # the update landed before the first tokens of some request
-            early = delay
+    engine.call(engine.update_weights(w0, 10))
+    outs = engine.call(scenario())
+    tried = sorted({tuple(sorted(set(o.versions))) for o in outs})
     assert any(set(o.versions) == {10, 11} for o in outs), f"no request was in flight during the update: {tried}"
     for p, o in zip(prompts * 3, outs):
         assert o.versions == sorted(o.versions)  # versions only move forward within a request
@@ -188,18 +168,6 @@ def _in_flight_update(engine, prompts, weights, hf_model, continuous: bool = Fal
             # 1e-3: the context runs to ~230 tokens under strongly perturbed weights, where float32 batched and
             # single-sequence forwards drift apart by ~1e-4; the stale-KV error this catches is 1e-1 or more
             assert torch.allclose(lp[sel], ref[sel], atol=1e-3), f"tokens of version {version} disagree"
-
-
-async def held(engine) -> int:
-    """The generate requests vLLM holds, summed over the engine's members: a server's ``/load`` (``molt serve``
-    tracks it), the in-process engine's unfinished requests."""
-    total = 0
-    for e in engine.members:
-        if hasattr(e, "url"):
-            total += (await e._call("GET", "/load"))["server_load"]
-        else:
-            total += e.llm.output_processor.get_num_unfinished_requests()
-    return total
 
 
 def test_torch_engine_in_flight_update(torch_engine, prompts, weights, hf_model):
@@ -256,14 +224,22 @@ def test_engine_refuses_a_second_model(torch_engine, tmp_path):
         torch_engine.launch(str(tmp_path))
 
 
-def _pause_resume(engine, prompts):
-    long = Sampling(max_tokens=200, temperature=1.0, ignore_eos=True)  # long enough to be in flight at the pause
+def _pause_resume(engine, prompts, continuous: bool = False):
+    """Requests in flight at a pause keep their progress: none finishes while paused (a half-second look), and every
+    one finishes, whole, after the resume. ``continuous`` (vLLM-backed engines): the requests start together
+    (``started_together``) and the pause comes when a 2-token request sent after them returns, so they are generating
+    then; otherwise (the torch engine) once it has run a few decode steps of their batch (``decoding``)."""
+    long = Sampling(max_tokens=200, temperature=1.0, ignore_eos=True)
 
     async def scenario():
-        tasks = [asyncio.ensure_future(engine.generate(p, long)) for p in prompts]
-        await asyncio.sleep(0.1)
+        if continuous:
+            tasks = await started_together(engine, [engine.generate(p, long) for p in prompts])
+            await engine.generate(prompts[0], Sampling(max_tokens=2, temperature=1.0, ignore_eos=True))
+        else:
+            with decoding(engine, steps=5) as generating:
+                tasks = [asyncio.ensure_future(engine.generate(p, long)) for p in prompts]
+                assert await asyncio.to_thread(generating.wait, 120), "no decode steps within 120 s"
         await engine.pause()
-        await asyncio.sleep(0.05)
         done_at_pause = sum(t.done() for t in tasks)
         engine.take_stats()
         await asyncio.sleep(0.5)
@@ -287,7 +263,7 @@ def test_torch_engine_pause_keeps_requests(torch_engine, prompts):
 @pytest.mark.parametrize("served_engine", VLLM_ENGINES[:2], indirect=True)
 def test_vllm_engine_pause_keeps_requests(served_engine, prompts, weights):
     served_engine.call(served_engine.update_weights(weights, 0))
-    _pause_resume(served_engine, prompts)
+    _pause_resume(served_engine, prompts, continuous=True)
 
 
 def test_torch_engine_sampler_draws_from_the_distribution():

@@ -24,6 +24,7 @@ from molt_lightning.trajectory import ConsistencyError, Kind, Span, Trajectory, 
 from molt_lightning.vision import BatchImages, ImageInputs, load_processor
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from inflight import decoding  # noqa: E402
 from invariant import Batches, check_trained_tokens, record_generations  # noqa: E402
 
 
@@ -149,18 +150,16 @@ def test_in_flight_update_recomputes_the_context_with_its_images(engine, templat
     inputs = [template.prompt_inputs(shapes.messages(x)) for x in samples(3, seed=2)]
     long = Sampling(max_tokens=200, temperature=1.0, ignore_eos=True)  # 29 + 200 tokens: within the 256 context
 
-    async def scenario(wait: float):
-        tasks = [asyncio.ensure_future(engine.generate(ids, long, images=im)) for ids, im in inputs]
-        await asyncio.sleep(wait)
+    async def scenario():
+        with decoding(engine, steps=5) as generating:  # the update lands after a few decode steps of the batch
+            tasks = [asyncio.ensure_future(engine.generate(ids, long, images=im)) for ids, im in inputs]
+            assert await asyncio.to_thread(generating.wait, 120), "no decode steps within 120 s"
         await engine.update_weights(w1, 11)
         return await asyncio.gather(*tasks)
 
     try:
-        for wait in (0.1, 0.03, 0.3, 0.01, 1.0):  # the update must land mid-generation: retry if too early or late
-            engine.call(engine.update_weights(w0, 10))
-            outs = engine.call(scenario(wait))
-            if any(set(o.versions) == {10, 11} for o in outs):
-                break
+        engine.call(engine.update_weights(w0, 10))
+        outs = engine.call(scenario())
     finally:
         engine.call(engine.update_weights(w0, 0))
     assert any(set(o.versions) == {10, 11} for o in outs), "no request was in flight during the update"

@@ -14,8 +14,8 @@ Weights travel over a named channel:
   (same machine, or a shared filesystem). ``molt_load_weights``, as in-process.
 - ``http``: the safetensors bytes travel in the request body, base64 in the JSON ``collective_rpc`` args (vLLM's
   only route that reaches the worker with data; its weight routes take NCCL/IPC handles, not bytes).
-  ``molt_load_weights_bytes`` decodes them. Cost: +33% size, a JSON parse in the API server and a msgpack copy to the
-  engine core and its worker (measured by ``benchmarks/remote_sync.py``).
+  ``molt_load_weights_bytes`` decodes them. Cost: base64's extra third, a JSON parse in the API server and a msgpack
+  copy to the engine core and its worker (measured by ``benchmarks/remote_sync.py``).
 - ``nccl`` (GPUs, across machines; the server runs ``molt serve --nccl``): the tensors are broadcast over an NCCL
   group of the trainer (rank 0) and the server's workers, through vLLM's weight-transfer routes
   (``/init_weight_transfer_engine`` once, then ``/start_weight_update``, ``/update_weights`` per bucket,

@@ -199,7 +199,7 @@ class VLLMEngine(RolloutEngine):
 
     async def _routing(self, request_id: str, n: int) -> torch.Tensor:
         """The request's first ``n`` positions' routing, (n, layers, k); requests finishing together share one call
-        to the worker (one call per request cost ~1 s/step on the tiny MoE)."""
+        to the worker (one call per request made the tiny MoE's step several times slower)."""
         done = asyncio.get_running_loop().create_future()
         self._wanted.append((request_id, n, done))
         if self._taker is None or self._taker.done():

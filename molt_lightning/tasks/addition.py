@@ -7,12 +7,11 @@ The question is ``"What is 7+5? Reply with only the number."``; the reply is gra
 - 0.5 (``RESTATED``): the right number is the last number of a longer reply (``"7 + 5 = 12"``);
 - 0.0: anything else (wrong, missing, or followed by other numbers).
 
-Why SmolLM2-135M-Instruct (``models.smollm2``) can learn it: when it answers in the form ``"7 + 5 = 12"`` (about 40% of
-replies) it is right two times in three (77% for sums below 10, 58% above), but it often rambles instead (``"In
-mathematics, a classic puzzle..."``) and almost never obeys "only the number". Measured with vLLM at temperature 0.7
-and ``MAX_TOKENS`` = 24 (two samplings of 128 prompts x 8): mean reward 0.22; 37-40% of replies score 0.5, 3-4% score
-0.75, 0.1% score 1.0, and 88-93% of the 8-sample groups hold different rewards (a signal for group-normalized
-advantages). RL has to climb the rungs: stop rambling (0.5), then stop restating the question (0.75, 1.0).
+Why SmolLM2-135M-Instruct (``models.smollm2``) can learn it: when it answers in the form ``"7 + 5 = 12"`` it is
+mostly right, but it often rambles instead (``"In mathematics, a classic puzzle..."``) and almost never obeys "only
+the number", so most 8-sample groups hold different rewards (a signal for group-normalized advantages); the measured
+base rates are in docs/scale.md. RL has to climb the rungs: stop rambling (0.5), then stop restating the question
+(0.75, 1.0).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A question ``"What is 37*58?"`` is answered either directly (``ANSWER 2146``) or by calling the tool first
 (``CALC 37*58``), reading the tool's reply (an environment turn, never trained on) and then answering. The tiny default
 policy cannot multiply in its head, so the reward measures whether it learned to use the tool and copy its result:
-the warm start (``molt_lightning.models.tiny``) calls the tool in about 15% of its answers (and then answers right);
+the warm start (``molt_lightning.models.tiny``) calls the tool in a small share of its answers (and then answers right);
 RL raises that.
 
 Everything here is ordinary Python: ``tasks`` yields samples, ``calculator_agent`` is the agent program.

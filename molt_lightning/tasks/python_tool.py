@@ -8,7 +8,7 @@ limits), their output sent back as ``tool`` messages. Reward 1 when the final re
 The tiny policy for it (``molt_lightning.models.tiny.python_tool_policy``) is warm-started on ``demonstration``
 dialogues: its chat template renders tool calls Hermes-style (``<tool_call>{"name": ..., "arguments": ...}
 </tool_call>``) and its tokenizer's ``response_template`` parses them back, so the endpoint needs nothing
-task-specific. Like the default policy it calls the tool in about 15% of its answers at the start.
+task-specific. Like the default policy it calls the tool in a small share of its answers at the start.
 """
 
 from __future__ import annotations
