@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from inflight import decoding, started_together
+from inflight import decoding, generating
 from safetensors.torch import load_file
 
 from molt_lightning.chat import ChatTemplate
@@ -132,31 +132,31 @@ def _in_flight_update(engine, prompts, weights, hf_model, continuous: bool = Fal
     """Requests in flight across an update: each token's logprob is that of the weights its version names.
 
     The update is sent once the long requests are generating, whatever the machine's speed. ``continuous``
-    (vLLM-backed engines: continuous batching, first come first served): the long requests start together
-    (``started_together``), then two 2-token requests are sent, and the update goes when the first of them returns
-    (each long one has at least a token and most of its 200 to go). Otherwise (torch engines, static batches): when
-    every engine has run a few decode steps of the batch (``decoding``)."""
+    (vLLM-backed engines: continuous batching, first come first served): once a short request queued behind them has
+    returned (``generating``: each long one has a few tokens and most of its 200 to go). Otherwise (torch engines,
+    static batches): when every engine has run a few decode steps of the batch (``decoding``)."""
     w0, w1 = weights, perturbed(weights, 0.3, seed=3)
     long = Sampling(max_tokens=200 if continuous else 120, temperature=1.0, ignore_eos=True)
 
     async def scenario():
+        resumed = None
         if continuous:
-            tasks = await started_together(engine, [engine.generate(p, long) for p in prompts * 3])
-            short = [asyncio.ensure_future(engine.generate(p, Sampling(max_tokens=2, temperature=1.0,
-                                                                        ignore_eos=True))) for p in prompts[:2]]
-            await asyncio.wait(short, return_when=asyncio.FIRST_COMPLETED)
+            tasks, resumed = await generating(engine, [engine.generate(p, long) for p in prompts * 3], prompts[0])
         else:
-            with decoding(engine, steps=5) as generating:
+            with decoding(engine, steps=5) as decoded:
                 tasks = [asyncio.ensure_future(engine.generate(p, long)) for p in prompts * 3]
-                assert await asyncio.to_thread(generating.wait, 120), "no decode steps within 120 s"
+                assert await asyncio.to_thread(decoded.wait, 120), "no decode steps within 120 s"
         await engine.update_weights(w1, 11)
-        if continuous:
-            await asyncio.gather(*short)
+        await (resumed or asyncio.sleep(0))
         return await asyncio.gather(*tasks)
 
-    engine.call(engine.update_weights(w0, 10))
-    outs = engine.call(scenario())
-    tried = sorted({tuple(sorted(set(o.versions))) for o in outs})
+    tried = []  # vLLM: a control call can answer late on a busy machine; a void try (none in flight) is tried again
+    for _ in range(3 if continuous else 1):
+        engine.call(engine.update_weights(w0, 10))
+        outs = engine.call(scenario())
+        tried.append(sorted({tuple(sorted(set(o.versions))) for o in outs}))
+        if any(set(o.versions) == {10, 11} for o in outs):
+            break
     assert any(set(o.versions) == {10, 11} for o in outs), f"no request was in flight during the update: {tried}"
     for p, o in zip(prompts * 3, outs):
         assert o.versions == sorted(o.versions)  # versions only move forward within a request
@@ -226,20 +226,20 @@ def test_engine_refuses_a_second_model(torch_engine, tmp_path):
 
 def _pause_resume(engine, prompts, continuous: bool = False):
     """Requests in flight at a pause keep their progress: none finishes while paused (a half-second look), and every
-    one finishes, whole, after the resume. ``continuous`` (vLLM-backed engines): the requests start together
-    (``started_together``) and the pause comes when a 2-token request sent after them returns, so they are generating
-    then; otherwise (the torch engine) once it has run a few decode steps of their batch (``decoding``)."""
+    one finishes, whole, after the resume. The pause comes once they are generating: ``generating`` (vLLM-backed
+    engines) or ``decoding`` (the torch engine)."""
     long = Sampling(max_tokens=200, temperature=1.0, ignore_eos=True)
 
     async def scenario():
+        resumed = None
         if continuous:
-            tasks = await started_together(engine, [engine.generate(p, long) for p in prompts])
-            await engine.generate(prompts[0], Sampling(max_tokens=2, temperature=1.0, ignore_eos=True))
+            tasks, resumed = await generating(engine, [engine.generate(p, long) for p in prompts * 3], prompts[0])
         else:
-            with decoding(engine, steps=5) as generating:
-                tasks = [asyncio.ensure_future(engine.generate(p, long)) for p in prompts]
-                assert await asyncio.to_thread(generating.wait, 120), "no decode steps within 120 s"
+            with decoding(engine, steps=5) as decoded:
+                tasks = [asyncio.ensure_future(engine.generate(p, long)) for p in prompts * 3]
+                assert await asyncio.to_thread(decoded.wait, 120), "no decode steps within 120 s"
         await engine.pause()
+        await (resumed or asyncio.sleep(0))
         done_at_pause = sum(t.done() for t in tasks)
         engine.take_stats()
         await asyncio.sleep(0.5)
@@ -249,8 +249,11 @@ def _pause_resume(engine, prompts, continuous: bool = False):
         outs = await asyncio.gather(*tasks)
         return done_at_pause, frozen, stuck, outs
 
-    done_at_pause, frozen, stuck, outs = engine.call(scenario())
-    assert done_at_pause < len(prompts), "everything finished before the pause: the test checks nothing"
+    for _ in range(3 if continuous else 1):  # vLLM: a control call can answer late; a void try is tried again
+        done_at_pause, frozen, stuck, outs = engine.call(scenario())
+        if done_at_pause < len(outs):
+            break
+    assert done_at_pause < len(outs), f"everything finished before the pause ({done_at_pause} of {len(outs)})"
     assert stuck == 0 and frozen == 0
     assert all(len(o.token_ids) == long.max_tokens for o in outs)  # every paused request finished after resume
 

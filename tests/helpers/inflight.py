@@ -1,6 +1,6 @@
 """Waiting for requests to be in flight, on the event the test needs and never for a duration: ``decoding`` (torch
-engines: decode steps counted by a forward hook), ``started_together`` and ``held`` (vLLM-backed engines: requests
-queued while the engine is paused, counted by vLLM itself)."""
+engines: decode steps counted by a forward hook), ``generating`` and ``held`` (vLLM-backed engines: requests queued
+while the engine is paused, counted by vLLM itself, then a short request behind them)."""
 
 from __future__ import annotations
 
@@ -31,9 +31,12 @@ def decoding(engine, steps: int):
             h.remove()
 
 
-async def started_together(engine, requests: list) -> list[asyncio.Future]:
-    """Send ``requests`` (coroutines) to a vLLM-backed engine while it is paused (vLLM queues them), wait until it
-    holds them all, then resume it: they start together, first come first served, however slow the client is."""
+async def generating(engine, requests: list, probe: list[int]) -> tuple[list[asyncio.Future], asyncio.Future]:
+    """Start ``requests`` (coroutines) on a vLLM-backed engine so that they are generating when this returns: they
+    are sent while the engine is paused (vLLM queues them) until it holds them all, the engine is resumed, and a
+    2-token request for ``probe``, queued behind them, has returned (first come first served: each of them has run at
+    least as many steps). Returns their tasks and the resume call, which may answer late (vLLM's API server replies
+    to control calls between steps): await it after acting on the engine."""
     await engine.pause()
     try:
         tasks = [asyncio.ensure_future(r) for r in requests]
@@ -42,8 +45,11 @@ async def started_together(engine, requests: list) -> list[asyncio.Future]:
             assert asyncio.get_running_loop().time() < deadline, f"vLLM holds {n} of {len(tasks)} requests after 120 s"
             await asyncio.sleep(0.01)
     finally:
-        await engine.resume()
-    return tasks
+        resumed = asyncio.ensure_future(engine.resume())
+    from molt_lightning.engines import Sampling
+
+    await engine.generate(probe, Sampling(max_tokens=2, temperature=1.0, ignore_eos=True))
+    return tasks, resumed
 
 
 async def held(engine) -> int:
