@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from inflight import decoding, generating
+from inflight import delivered, in_flight
 from safetensors.torch import load_file
 
 from molt_lightning.chat import ChatTemplate
@@ -139,15 +139,9 @@ def _in_flight_update(engine, prompts, weights, hf_model, continuous: bool = Fal
     long = Sampling(max_tokens=200 if continuous else 120, temperature=1.0, ignore_eos=True)
 
     async def scenario():
-        resumed = None
-        if continuous:
-            tasks, resumed = await generating(engine, [engine.generate(p, long) for p in prompts * 3], prompts[0])
-        else:
-            with decoding(engine, steps=5) as decoded:
-                tasks = [asyncio.ensure_future(engine.generate(p, long)) for p in prompts * 3]
-                assert await asyncio.to_thread(decoded.wait, 120), "no decode steps within 120 s"
+        tasks, resumed = await in_flight(engine, prompts * 3, long, continuous)
         await engine.update_weights(w1, 11)
-        await (resumed or asyncio.sleep(0))
+        await resumed
         return await asyncio.gather(*tasks)
 
     tried = []  # vLLM: a control call can answer late on a busy machine; a void try (none in flight) is tried again
@@ -231,15 +225,11 @@ def _pause_resume(engine, prompts, continuous: bool = False):
     long = Sampling(max_tokens=200, temperature=1.0, ignore_eos=True)
 
     async def scenario():
-        resumed = None
-        if continuous:
-            tasks, resumed = await generating(engine, [engine.generate(p, long) for p in prompts * 3], prompts[0])
-        else:
-            with decoding(engine, steps=5) as decoded:
-                tasks = [asyncio.ensure_future(engine.generate(p, long)) for p in prompts * 3]
-                assert await asyncio.to_thread(decoded.wait, 120), "no decode steps within 120 s"
+        tasks, resumed = await in_flight(engine, prompts * 3, long, continuous)
         await engine.pause()
-        await (resumed or asyncio.sleep(0))
+        await resumed
+        if continuous:  # the answers to requests that finished just before the pause may still be on their way
+            await delivered(engine, tasks)
         done_at_pause = sum(t.done() for t in tasks)
         engine.take_stats()
         await asyncio.sleep(0.5)

@@ -1,6 +1,7 @@
 """Waiting for requests to be in flight, on the event the test needs and never for a duration: ``decoding`` (torch
 engines: decode steps counted by a forward hook), ``generating`` and ``held`` (vLLM-backed engines: requests queued
-while the engine is paused, counted by vLLM itself, then a short request behind them)."""
+while the engine is paused, counted by vLLM itself, then a short request behind them), ``in_flight`` (either, by the
+engine's kind), ``delivered`` (every request the engine finished has reached its caller)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,24 @@ async def held(engine) -> int:
         else:
             total += e.llm.output_processor.get_num_unfinished_requests()
     return total
+
+
+async def in_flight(engine, prompts: list, sampling, continuous: bool) -> tuple[list[asyncio.Future], asyncio.Future]:
+    """Start ``engine.generate`` for each of ``prompts`` and return once they are generating: ``generating`` for
+    vLLM-backed engines (``continuous``), else once every member has run a few decode steps of the batch
+    (``decoding``). Returns their tasks and an awaitable to await after acting on the engine (the late resume)."""
+    if continuous:
+        return await generating(engine, [engine.generate(p, sampling) for p in prompts], prompts[0])
+    with decoding(engine, steps=5) as decoded:
+        tasks = [asyncio.ensure_future(engine.generate(p, sampling)) for p in prompts]
+        assert await asyncio.to_thread(decoded.wait, 120), "no decode steps within 120 s"
+    return tasks, asyncio.ensure_future(asyncio.sleep(0))
+
+
+async def delivered(engine, tasks: list[asyncio.Future]) -> None:
+    """Return once every request the vLLM-backed ``engine`` no longer holds has reached its caller: a request that
+    finished just before a pause can still be on its way back (an HTTP response, a future the engine loop resolves)."""
+    deadline = asyncio.get_running_loop().time() + 120
+    while (n := sum(t.done() for t in tasks)) + (h := await held(engine)) < len(tasks):
+        assert asyncio.get_running_loop().time() < deadline, f"{len(tasks) - n - h} finished requests never arrived"
+        await asyncio.sleep(0.01)
