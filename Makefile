@@ -9,7 +9,7 @@ train: setup  # quiet: the progress bar and a summary; the full log goes to the 
 	MOLT_QUIET=$${MOLT_QUIET:-1} .venv/bin/molt fit --config recipes/default.yaml
 
 test: setup
-	.venv/bin/python -m pytest -q -ra
+	.venv/bin/python -m pytest -q -ra --durations=15
 
 bench: setup
 	.venv/bin/python benchmarks/loop_overlap.py
