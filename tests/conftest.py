@@ -53,7 +53,7 @@ def molt_servers(policy_path):
     try:
         servers = [LocalServer(policy_path, cpu_threads=str(i % cores)) for i in range(2)]
         for server in servers:
-            server.wait_ready(300)
+            server.wait_ready(600)  # two vLLM start-ups at once on a loaded 2-core machine took over 300 s
         yield servers
     finally:
         for server in servers:

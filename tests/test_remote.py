@@ -180,7 +180,7 @@ def test_a_killed_server_fails_its_requests_and_a_restarted_one_loads_the_curren
         assert set(served_after) == {0}, "requests after the kill went to the dead server"
 
         molt_servers[1].start()  # same port: the pool's health watch finds it and reloads it before it serves
-        molt_servers[1].wait_ready(300)
+        molt_servers[1].wait_ready(600)
         deadline = time.monotonic() + 60
         while not pool.engines[1].healthy and time.monotonic() < deadline:
             time.sleep(0.5)
