@@ -26,8 +26,9 @@ COUNTS = [f.name for f in fields(RolloutCounts) if f.type == "int" and f.name !=
 
 
 class RolloutMonitor(L.Callback):
-    def on_train_start(self, trainer, pl_module) -> None:  # what came before this run (a resume, a shared engine)
-        self._last, self._counts = time.perf_counter(), pl_module.source.counts_now()  # is not new
+    def on_train_start(self, trainer, pl_module) -> None:
+        # what came before this run is not new: a resumed run's counts, a shared engine's generated tokens
+        self._last, self._counts = time.perf_counter(), pl_module.source.counts_now()
         pl_module.engine.take_stats()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -10,6 +10,8 @@ import threading
 from collections import Counter
 from contextlib import contextmanager
 
+from molt_lightning.engines import Sampling
+
 
 @contextmanager
 def decoding(engine, steps: int):
@@ -47,8 +49,6 @@ async def generating(engine, requests: list, probe: list[int]) -> tuple[list[asy
             await asyncio.sleep(0.01)
     finally:
         resumed = asyncio.ensure_future(engine.resume())
-    from molt_lightning.engines import Sampling
-
     await engine.generate(probe, Sampling(max_tokens=2, temperature=1.0, ignore_eos=True))
     return tasks, resumed
 
