@@ -1,10 +1,11 @@
 """Remote engines at scale: ``molt serve``'s access guard, a pool of servers in a real run (consistency invariant,
-sticky routing), a server killed mid-run, and a server that never answers. The remote engine's agreement with the
-in-process ones is in ``test_engines.py`` (parametrized over engines). Every server binds loopback and every request
-goes to loopback."""
+sticky routing), a server killed mid-run, a server that never answers and one whose start hangs. The remote engine's
+agreement with the in-process ones is in ``test_engines.py`` (parametrized over engines). Every server binds loopback
+and every request goes to loopback."""
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
@@ -48,6 +49,25 @@ def test_molt_serve_is_a_subcommand(capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--help"])
     assert e.value.code == 0 and "--policy" in capsys.readouterr().out
+
+
+def test_a_server_whose_start_hangs_is_stopped_with_its_stacks_in_the_error(tmp_path, monkeypatch):
+    from molt_lightning.engines import server
+
+    started = tmp_path / "started"
+    hang = (f"import pathlib, resource, time\nresource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file\n"
+            f"pathlib.Path({str(started)!r}).touch()\ndef starting_up():\n    time.sleep(600)\nstarting_up()")
+    monkeypatch.setattr(server, "server_command", lambda *a, **k: [sys.executable, "-c", hang])
+    local = server.LocalServer("unused", log_path=str(tmp_path / "serve.log"))
+    pid, deadline = local.proc.pid, time.monotonic() + 120
+    while not started.exists() and time.monotonic() < deadline:  # its interpreter (and faulthandler) is up
+        time.sleep(0.01)
+    with pytest.raises(TimeoutError, match="did not answer /health within 1 s") as e:
+        local.wait_ready(1)
+    assert "in starting_up" in str(e.value)  # the stack of the hung process, from its log
+    assert local.proc is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # stopped, not left behind
 
 
 @pytest.mark.slow

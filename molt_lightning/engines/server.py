@@ -30,7 +30,8 @@ def server_command(policy: str, host: str, port: int, extra: list[str] = ()) -> 
 
 
 def server_env(api_key: str | None = None, cpu_threads: str | None = None) -> dict[str, str]:
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+    # PYTHONFAULTHANDLER: a crash, or the SIGABRT that stops a start that hangs (wait_ready), logs every stack
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONFAULTHANDLER="1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     root = str(Path(__file__).resolve().parents[2])  # this checkout's package, for the worker extension too
@@ -81,9 +82,9 @@ class LocalServer:
             except OSError:
                 pass
             time.sleep(0.5)
-        self.stop()
+        self.stop(signal.SIGABRT)  # its processes write their Python stacks to the log (PYTHONFAULTHANDLER) and exit
         raise TimeoutError(f"the vLLM server on port {self.port} did not answer /health within {timeout_s:.0f} s "
-                           f"(log: {self.log_path}); raise start_timeout_s on a slow machine")
+                           f"(raise start_timeout_s on a slow machine); its log {self.log_path}:\n{self.log_tail(60)}")
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the server's whole process group (the API server and vLLM's engine core)."""
@@ -93,10 +94,10 @@ class LocalServer:
             except ProcessLookupError:
                 pass
 
-    def stop(self, timeout_s: float = 20.0) -> None:
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> None:
         if self.proc is None:
             return
-        self.kill(signal.SIGTERM)
+        self.kill(sig)
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
