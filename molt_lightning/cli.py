@@ -35,7 +35,9 @@ EXAMPLES = {  # what a parser key takes, for the fix line of its errors
                    "such agents, with its init_args (e.g. molt_lightning.envs.EnvAgent with init_args {environment: "
                    "molt_lightning.tasks.arithmetic_env.CalculatorEnv})",
     "model.tasks": "the dotted path of a function `tasks(seed)` returning an iterator of samples "
-                   "(e.g. molt_lightning.tasks.arithmetic.tasks)",
+                   "(e.g. molt_lightning.tasks.arithmetic.tasks), or molt_lightning.data.Tasks with its data sources "
+                   "under init_args (e.g. {class_path: molt_lightning.data.Tasks, init_args: {sources: [{path: "
+                   "data/train.jsonl, prompt: question, answer: answer}]}})",
     "model.engine": "a RolloutEngine class: molt_lightning.engines.VLLMEngine, molt_lightning.engines.TorchEngine, "
                     "molt_lightning.engines.RemoteVLLMEngine or molt_lightning.engines.EnginePool (its arguments "
                     "under init_args)",
@@ -134,10 +136,15 @@ def check_recipe(model) -> None:
                          "`async def agent(client, sample)` (it awaits client.chat / client.generate)")
     if not getattr(model.agent, "class_path", None):
         _check_call(agent, "model.agent", "(client, sample)", None, None)
+    if getattr(tasks, "class_path", None):  # a class whose instances are tasks(seed), e.g. molt_lightning.data.Tasks
+        import pydoc
+
+        tasks = pydoc.locate(tasks.class_path).__call__
     if inspect.iscoroutinefunction(tasks) or inspect.isasyncgenfunction(tasks):
         raise ValueError(f"model.tasks {_name(tasks)} is async: it must be a plain function (or generator) "
                          "`tasks(seed)` returning an iterator of samples")
-    _check_call(tasks, "model.tasks", "(seed)", 0)
+    if not getattr(model.tasks, "class_path", None):
+        _check_call(tasks, "model.tasks", "(seed)", 0)
     policy_folder(model.policy)
 
 
@@ -160,18 +167,59 @@ def main(args: list[str] | None = None) -> None:
         from .serve import main as serve
 
         return serve(argv[1:])
+    if argv[:1] == ["export"]:  # `molt export CKPT OUT`: a Hugging Face folder (molt_lightning.export)
+        from .export import main as export
+
+        return export(argv[1:])
+    if argv[:1] == ["eval"]:  # `molt eval --config RECIPE`: the recipe's evaluation alone (molt_lightning.evaluation)
+        from .evaluation import main as evaluate
+
+        return evaluate(argv[1:], molt_cli(), MoltParser)
+    from .callbacks.checkpoint import DiskFull
+    from .callbacks.runlog import QuietTerminal
+    from .engines import EngineUnavailable
+    from .module import AsyncRLModule
+    from .rollout import RolloutFailures, RolloutStopped
+
+    quiet: list[QuietTerminal] = []  # the fit's quiet terminal, once it is set up
+    failed = True
+    try:
+        molt_cli(quiet)(
+            AsyncRLModule,
+            save_config_kwargs={"overwrite": True},
+            parser_class=MoltParser,
+            parser_kwargs={"prog": "molt"},  # also under python -m molt_lightning.cli
+            args=args,
+            auto_configure_optimizers=False,
+        )
+        failed = False
+    except SystemExit as e:
+        failed = e.code not in (0, None)
+        raise
+    # SIGTERM while waiting for rollouts (the engine is shut down by now: exit 143); the failure breaker; remote
+    # engines gone or not answering; a checkpoint that did not fit (the earlier ones are intact): one line each
+    except (RolloutStopped, RolloutFailures, EngineUnavailable, DiskFull) as e:
+        print(f"molt: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        sys.exit(128 + 15 if isinstance(e, RolloutStopped) else 1)
+    finally:
+        if quiet:
+            quiet[0].end(failed)
+
+
+def molt_cli(quiet: list | None = None):
+    """The LightningCLI class of ``molt`` (made on demand: importing Lightning's CLI costs a second); ``quiet`` gets
+    the fit's quiet terminal once it is set up."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.plugins import CheckpointIO
 
     from .callbacks import StepProgressBar
-    from .callbacks.checkpoint import AtomicCheckpointIO, DiskFull
+    from .callbacks.checkpoint import AtomicCheckpointIO
     from .callbacks.runlog import QuietTerminal, RunSummary, wants_quiet
-    from .module import AsyncRLModule
     from .parallel import LORA_UNDER_FSDP2, STRATEGIES, SUPPORTED
 
-    quiet: list[QuietTerminal] = []  # the fit's quiet terminal, once it is set up
+    quiet = [] if quiet is None else quiet
 
     class MoltCLI(LightningCLI):
         def before_instantiate_classes(self) -> None:
@@ -221,31 +269,7 @@ def main(args: list[str] | None = None) -> None:
                 kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
             return super().instantiate_trainer(**kwargs)
 
-    from .engines import EngineUnavailable
-    from .rollout import RolloutFailures, RolloutStopped
-
-    failed = True
-    try:
-        MoltCLI(
-            AsyncRLModule,
-            save_config_kwargs={"overwrite": True},
-            parser_class=MoltParser,
-            parser_kwargs={"prog": "molt"},  # also under python -m molt_lightning.cli
-            args=args,
-            auto_configure_optimizers=False,
-        )
-        failed = False
-    except SystemExit as e:
-        failed = e.code not in (0, None)
-        raise
-    # SIGTERM while waiting for rollouts (the engine is shut down by now: exit 143); the failure breaker; remote
-    # engines gone or not answering; a checkpoint that did not fit (the earlier ones are intact): one line each
-    except (RolloutStopped, RolloutFailures, EngineUnavailable, DiskFull) as e:
-        print(f"molt: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
-        sys.exit(128 + 15 if isinstance(e, RolloutStopped) else 1)
-    finally:
-        if quiet:
-            quiet[0].end(failed)
+    return MoltCLI
 
 
 if __name__ == "__main__":  # vLLM's engine core starts with spawn: keep the entry point guarded

@@ -197,9 +197,11 @@ class AgentClients:
 
     @asynccontextmanager
     async def client(self, trajectory: Trajectory, seed: int | None, counter: Callable[[str, int], None] | None,
-                     ) -> AsyncIterator[AgentClient]:
-        """The client of one agent run, reachable through the endpoint (its own key) while the block runs."""
-        client = AgentClient(self.engine, trajectory, self.template, self.temperature, self.max_context, seed=seed,
+                     temperature: float | None = None) -> AsyncIterator[AgentClient]:
+        """The client of one agent run, reachable through the endpoint (its own key) while the block runs; it samples
+        at the run's temperature unless given another (an evaluation's; 0 is greedy)."""
+        temperature = self.temperature if temperature is None else temperature
+        client = AgentClient(self.engine, trajectory, self.template, temperature, self.max_context, seed=seed,
                              counter=counter)
         if self.endpoint is not None:
             self.endpoint.register(client, f"{trajectory.sample_id}-{trajectory.info.get('index')}")

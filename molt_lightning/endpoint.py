@@ -171,7 +171,7 @@ class Endpoint:
             raise RequestError(400, f"unsupported parameter(s) {unknown}: the run trains on what the policy samples "
                                     "at its own settings, so parameters that change sampling are refused",
                                unknown[0], "unsupported_parameter")
-        for name, run_value in (("temperature", self.temperature), ("top_p", 1.0)):
+        for name, run_value in (("temperature", client.temperature), ("top_p", 1.0)):
             value = body.get(name)
             if value is not None and abs(float(value) - run_value) > 1e-6:
                 raise RequestError(400, f"{name}={value} differs from the run's {run_value}: the trainer computes "

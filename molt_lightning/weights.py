@@ -82,6 +82,11 @@ class WeightFlow:
                 self._loading.add_done_callback(lambda _: self.on_loaded())
         return time.perf_counter() - t0, sent
 
+    @property
+    def pending(self) -> Future | None:
+        """The engine's load in flight (a future that ends when it serves the pushed version), or None."""
+        return self._loading
+
     def settle(self, timeout: float | None = None) -> None:
         """Wait for the load in flight, if any (its error is raised here)."""
         loading, self._loading = self._loading, None

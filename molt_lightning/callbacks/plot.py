@@ -1,10 +1,20 @@
-"""``RewardPlot``: at the end of training, a PNG of reward per step beside the CSV metrics (pandas + matplotlib)."""
+"""``RewardPlot``: at the end of training, a PNG of reward per step beside the CSV metrics (pandas + matplotlib), with
+the held-out evaluations (``Evaluate``'s ``eval/<source>/avg@k``, at the step each round started, with its 95%
+interval) on the same axes."""
 
 from __future__ import annotations
 
 import os
+import re
 
 import lightning as L
+
+EVAL = re.compile(r"^eval/(.+)/avg@(\d+)$")
+
+
+def series(columns) -> list[str]:
+    """The evaluation columns ``RewardPlot`` draws beside the reward."""
+    return sorted(c for c in columns if EVAL.match(c))
 
 
 class RewardPlot(L.Callback):
@@ -19,20 +29,33 @@ class RewardPlot(L.Callback):
         logger.save()
         if not os.path.exists(path):
             return
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
         import pandas as pd
 
         df = pd.read_csv(path)
-        if self.metric not in df:
-            return
-        df = df.dropna(subset=[self.metric])
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(df["step"], df[self.metric], marker=".", lw=1)
-        ax.set(xlabel="training step (policy version)", ylabel=f"mean {self.metric}")
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(os.path.join(logger.log_dir, self.filename), dpi=120)
-        plt.close(fig)
+        if self.metric in df:
+            draw(df, self.metric, os.path.join(logger.log_dir, self.filename))
+
+
+def draw(df, metric: str, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    train = df.dropna(subset=[metric])
+    ax.plot(train["step"], train[metric], marker=".", lw=1, label=f"training {metric}")
+    for column in series(df.columns):
+        rounds = df.dropna(subset=[column])
+        low, high = rounds.get(f"{column}_lo"), rounds.get(f"{column}_hi")
+        err = None if low is None or high is None else [rounds[column] - low, high - rounds[column]]
+        source, k = EVAL.match(column).groups()
+        ax.errorbar(rounds["step"], rounds[column], yerr=err, marker="o", capsize=3, lw=1.5,
+                    label=f"held-out {source} avg@{k} (95% CI)")
+    ax.set(xlabel="training step", ylabel=f"mean {metric}")
+    ax.grid(alpha=0.3)
+    if series(df.columns):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)

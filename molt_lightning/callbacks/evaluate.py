@@ -1,0 +1,216 @@
+"""``Evaluate``: held-out evaluation during training, on the rollout engine, without stalling the trainer.
+
+In a recipe (``trainer.callbacks``)::
+
+    - class_path: molt_lightning.callbacks.Evaluate
+      init_args:
+        tasks: {class_path: molt_lightning.data.Tasks, init_args: {sources: [{path: data/test.jsonl}]}}
+        k: 4                 # runs per prompt: avg@4, pass@1, pass@4, maj@4
+        temperature: 0.7     # the evaluation's sampling (0: greedy, with k: 1); default the run's
+        every_n_steps: 25    # and at_start, at_end (both on by default)
+
+When (``evaluation.run_round`` does the work, ``evaluation.summarize`` the metrics):
+- **at the start** (before the first step, the weights the run starts from) and **at the end** (after the last
+  step's weights reached the engine; the rollouts stop first): the trainer waits for these, so each measures exactly
+  one policy version;
+- **every ``every_n_steps`` policy versions** a round starts once that version's weights have reached the engine and
+  runs beside training: the trainer keeps stepping (its wait is the round's share of the engine), and weights that
+  arrive meanwhile serve the rest of the round (in-flight updates), so its metrics name the versions they measured
+  (``version_min``/``version_max``). One round at a time: a round still running when the next is due is not doubled.
+The metrics go to the run's logger as ``eval/<source>/<metric>`` at the step the round started (``RewardPlot`` draws
+``avg@k`` with its interval beside the training reward), every round to ``eval.jsonl`` in the run folder (with each
+prompt's mean reward, for before/after comparisons), and a table to the log.
+
+Held out means never trained on: when the run's tasks are a ``data.Tasks`` (finite), held-out prompts that also occur
+in the training data are dropped before the first round (counted and logged). A task generator (``tasks(seed)``
+without end) cannot be checked: give it a seed of its own (``seed``) and know that a disjoint seed draws different
+problems, not necessarily unseen ones.
+
+``keep_best: eval/<source>/avg@4``: a checkpoint of the weights a periodic round measures is saved when the round
+starts and kept as ``best.ckpt`` in the checkpoint folder while its metric is the highest seen (``mode: min`` for
+lower is better); the others are deleted when their round ends. Only rank 0 evaluates; every rank saves its shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+
+import lightning as L
+
+from .. import evaluation
+from ..data.sources import prompt_key
+
+log = logging.getLogger("molt_lightning.evaluate")
+
+
+class Evaluate(L.Callback):
+    def __init__(self, tasks: Callable, k: int = 4, temperature: float | None = None, every_n_steps: int = 0,
+                 at_start: bool = True, at_end: bool = True, max_prompts: int | None = None, seed: int = 0,
+                 agent: Callable | None = None, success: float = 1.0, concurrency: int = 64,
+                 keep_best: str | None = None, mode: str = "max"):
+        if k < 1 or every_n_steps < 0 or concurrency < 1 or (max_prompts is not None and max_prompts < 1):
+            raise ValueError(f"Evaluate: k, concurrency and max_prompts must be >= 1 and every_n_steps >= 0, got k={k}"
+                             f", concurrency={concurrency}, max_prompts={max_prompts}, every_n_steps={every_n_steps}")
+        if temperature is not None and temperature < 0:
+            raise ValueError(f"Evaluate: temperature must be >= 0 (0: greedy), got {temperature}")
+        if temperature == 0 and k > 1:
+            raise ValueError(f"Evaluate: greedy sampling (temperature 0) gives {k} identical runs per prompt: use "
+                             "k: 1, or a temperature > 0 for avg@k / pass@k")
+        if keep_best is not None and (not keep_best.startswith("eval/") or mode not in ("max", "min")):
+            raise ValueError(f"Evaluate: keep_best names a logged metric (eval/<source>/avg@{k}) and mode is max or "
+                             f"min, got {keep_best!r}, {mode!r}")
+        if keep_best is not None and not every_n_steps:
+            raise ValueError("Evaluate: keep_best keeps the best of the periodic rounds: set every_n_steps")
+        self.tasks, self.k, self.temperature, self.every_n_steps = tasks, k, temperature, every_n_steps
+        self.at_start, self.at_end, self.max_prompts, self.seed = at_start, at_end, max_prompts, seed
+        self.agent, self.success, self.concurrency = agent, success, concurrency
+        self.keep_best, self.mode = keep_best, mode
+        self.samples = self.held_out()
+        self.dropped_seen = 0
+        self._round = None  # (future, step, version, candidate checkpoint) of the round in flight
+        self._due: int | None = None  # the version whose round starts at the next batch
+        self._started = False
+        self._best: float | None = None
+
+    def held_out(self) -> list[dict]:
+        samples = []
+        for sample in self.tasks(self.seed):
+            samples.append(sample)
+            if self.max_prompts is not None and len(samples) >= self.max_prompts:
+                break
+        if not samples:
+            raise ValueError("Evaluate: the evaluation tasks yielded no samples")
+        return samples
+
+    def drop_seen(self, train_tasks) -> None:
+        """Drop the held-out prompts that also occur in ``train_tasks`` (when it can tell: a ``data.Tasks``)."""
+        keys = getattr(train_tasks, "keys", None)
+        if not callable(keys) or "messages" not in self.samples[0]:
+            return
+        seen = keys()
+        kept = [s for s in self.samples if prompt_key(s) not in seen]
+        if not kept:
+            raise ValueError("Evaluate: every held-out prompt also occurs in the training data: evaluate on another "
+                             "file, split or generator seed")
+        if len(kept) < len(self.samples):
+            log.warning("evaluation: %d of %d held-out prompts also occur in the training data and are dropped",
+                        len(self.samples) - len(kept), len(self.samples))
+        self.dropped_seen += len(self.samples) - len(kept)
+        self.samples = kept
+
+    # ----- hooks -----
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.drop_seen(pl_module.source.tasks)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self._started:
+            self._started = True
+            if self.at_start:
+                self._finish(trainer, self._start(trainer, pl_module, pl_module.policy_version))
+        elif self._due is not None:
+            self._round = self._start(trainer, pl_module, self._due, self._candidate(trainer, pl_module))
+            self._due = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._round is not None and self._round[0].done():
+            self._finish(trainer, self._round)
+            self._round = None
+        version = pl_module.policy_version
+        if self.every_n_steps and version % self.every_n_steps == 0 and self._round is None:
+            self._due = version  # started at the next batch: WeightSync pushes it after this hook
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._round is not None:
+            self._finish(trainer, self._round)  # waits for it
+            self._round = None
+        if self.at_end and pl_module._started:
+            pl_module.weights.settle()  # the last step's weights serve
+            pl_module.source.stop()  # rollouts no longer needed: the engine is the evaluation's
+            self._finish(trainer, self._start(trainer, pl_module, pl_module.policy_version))
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if self._round is not None:
+            self._round[0].cancel()
+            self._round = None
+
+    # ----- rounds -----
+    def _start(self, trainer, pl_module, version: int, candidate: str | None = None):
+        if trainer.global_rank != 0:
+            return None, trainer.global_step, version, candidate
+        engine, pending = pl_module.engine, pl_module.weights.pending
+        temperature = pl_module.rollout.temperature if self.temperature is None else self.temperature
+        rollout = pl_module.rollout
+
+        async def round_():
+            if pending is not None:  # the weights this round measures are still loading
+                await asyncio.wrap_future(pending)
+            t0 = time.perf_counter()
+            outcomes = await evaluation.run_round(
+                self.samples, self.agent or pl_module.source.agent, pl_module.clients, k=self.k,
+                temperature=temperature, success=self.success, seed=self.seed, concurrency=self.concurrency,
+                timeout_s=rollout.agent_timeout_s)
+            return outcomes, time.perf_counter() - t0
+
+        future = asyncio.run_coroutine_threadsafe(round_(), engine.loop)
+        return future, trainer.global_step, version, candidate
+
+    def _finish(self, trainer, round_) -> None:
+        future, step, version, candidate = round_
+        if future is None:  # another rank: rank 0 evaluates
+            return
+        outcomes, seconds = future.result()
+        summary = evaluation.summarize(outcomes, self.k)
+        metrics = {f"eval/{source}/{name}": value for source, m in summary.items() for name, value in m.items()}
+        metrics.update({"eval/version": float(version), "eval/seconds": seconds,
+                        "eval/dropped_seen": float(self.dropped_seen)})
+        if trainer.logger is not None:
+            trainer.logger.log_metrics(metrics, step=step)
+            if trainer.logger.log_dir:
+                evaluation.dump(os.path.join(trainer.logger.log_dir, "eval.jsonl"), {
+                    "step": step, "version": version, "seconds": seconds, "k": self.k, "metrics": summary,
+                    "per_prompt": evaluation.per_prompt_rewards(outcomes)})
+        log.info("evaluation of version %d (step %d, %.1f s):\n%s", version, step, seconds,
+                 evaluation.report(summary, self.k))
+        if candidate is not None:
+            self._keep(metrics, candidate)
+
+    # ----- keep the best -----
+    def _candidate(self, trainer, pl_module) -> str | None:
+        if self.keep_best is None:
+            return None
+        path = os.path.join(_ckpt_dir(trainer), f"eval-candidate-v{pl_module.policy_version}.ckpt")
+        trainer.save_checkpoint(path)  # every rank (a sharded checkpoint is written by all)
+        return path
+
+    def _keep(self, metrics: dict, candidate: str) -> None:
+        if self.keep_best not in metrics:
+            raise ValueError(f"Evaluate: keep_best {self.keep_best!r} is not among the logged metrics "
+                             f"{sorted(metrics)}")
+        value = metrics[self.keep_best]
+        better = self._best is None or (value > self._best if self.mode == "max" else value < self._best)
+        if better:
+            self._best = value
+            best = os.path.join(os.path.dirname(candidate), "best.ckpt")
+            _remove(best)
+            os.replace(candidate, best)
+            log.info("evaluation: best.ckpt now holds the weights with %s = %.4f", self.keep_best, value)
+        else:
+            _remove(candidate)
+
+
+def _ckpt_dir(trainer) -> str:
+    root = trainer.logger.log_dir if trainer.logger is not None and trainer.logger.log_dir else \
+        trainer.default_root_dir
+    return os.path.join(root, "checkpoints")
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.remove(path)
