@@ -9,7 +9,8 @@ state (the value head and a KL reference are left out); they are loaded into the
 vision-language policy), its generation config, and ``molt_export.json`` (the checkpoint, step, policy version).
 
 A LoRA run exports peft's adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``; the base is the
-run's policy folder), or with ``merge=True`` (``--merge``) the base with the adapter merged in (``merge_and_unload``)
+run's policy folder), or with ``merge=True`` (``--merge``) the base with the adapter merged in (``merge_and_unload``,
+in float64 and then rounded once: a float32 merge differs from the adapter's forward by more than 1e-5 in logprob)
 as a plain model folder. ``dtype`` casts the exported weights (default: as trained).
 
 The result loads with ``transformers`` (``AutoModelForCausalLM.from_pretrained(OUT)``), serves with ``molt serve
@@ -40,7 +41,11 @@ def read_checkpoint(ckpt: str) -> dict:
 
         with tempfile.TemporaryDirectory() as tmp:
             dcp_to_torch_save(path, Path(tmp) / "whole.pt")
-            return torch.load(Path(tmp) / "whole.pt", map_location="cpu", weights_only=False)
+            checkpoint = torch.load(Path(tmp) / "whole.pt", map_location="cpu", weights_only=False)
+        meta = path / "meta.pt"  # Lightning keeps everything but the sharded states there (rank 0 writes it)
+        if meta.exists():
+            checkpoint = {**torch.load(meta, map_location="cpu", weights_only=False), **checkpoint}
+        return checkpoint
     return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
 
 
@@ -66,8 +71,8 @@ def export(ckpt: str, out: str, merge: bool = False, dtype: str | None = None) -
     if spec is not None:
         lm = lora_.apply(lm, spec if isinstance(spec, lora_.LoraSpec) else lora_.LoraSpec(**spec))
     _load_exactly(lm, weights, ckpt)
-    if spec is not None and merge:
-        lm = lm.merge_and_unload()
+    if spec is not None and merge:  # W + B A summed in float64, rounded once to the trained dtype
+        lm = lm.to(torch.float64).merge_and_unload().to(train_dtype)
     if dtype is not None:
         lm = lm.to(getattr(torch, dtype))
     out_path = Path(out)

@@ -159,16 +159,27 @@ def test_the_best_rounds_weights_are_kept(tmp_path, policy_path):
     assert saved["molt"]["policy_version"] == best_version
 
 
-def test_held_out_prompts_seen_in_training_are_dropped(tmp_path, policy_path):
+@pytest.mark.parametrize("overlap", ["drop_from_training", "drop_from_eval"])
+def test_a_prompt_in_both_sets_is_never_trained_on(tmp_path, policy_path, overlap):
     from molt_lightning.data import Source, Tasks
+    from molt_lightning.data.sources import prompt_key
 
     rows = [{"question": f"What is {i}*{i + 10}?", "answer": i * (i + 10)} for i in range(10, 30)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:12]))
-    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[9:]))  # 3 rows overlap
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[9:] + rows[9:10]))  # 3 shared
     train = Tasks([Source(path=str(tmp_path / "train.jsonl"), prompt="question")])
-    evaluate = Evaluate(Tasks([Source(path=str(tmp_path / "test.jsonl"), prompt="question")]), k=1, at_end=False)
-    _, _, rounds, _ = fit(tmp_path, policy_path, evaluate, max_lag=1, steps=1, tasks=train, prompts_per_step=2)
-    assert evaluate.dropped_seen == 3 and rounds[0]["metrics"]["test"]["prompts"] == 8
+    evaluate = Evaluate(Tasks([Source(path=str(tmp_path / "test.jsonl"), prompt="question")]), k=1, at_end=False,
+                        overlap=overlap)
+    assert len(evaluate.samples) == 11  # the repeated prompt counts once
+    module, _, rounds, _ = fit(tmp_path, policy_path, evaluate, max_lag=1, steps=1, tasks=train, prompts_per_step=2)
+    held_out = {prompt_key(s) for s in evaluate.samples}
+    assert not held_out & train.keys()  # whichever side gave them up, no held-out prompt is trained on
+    if overlap == "drop_from_training":
+        assert evaluate.excluded_from_training == 3 and len(train) == 9
+        assert rounds[0]["metrics"]["test"]["prompts"] == 11
+    else:
+        assert evaluate.dropped_seen == 3 and len(train) == 12
+        assert rounds[0]["metrics"]["test"]["prompts"] == 8
 
 
 def test_evaluate_settings_are_checked():

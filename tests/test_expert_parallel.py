@@ -147,12 +147,16 @@ def test_molt_fit_with_expert_parallelism_stays_on_policy_with_exact_sync(tmp_pa
     saved = torch.load(tmp_path / "last.pt", weights_only=False)["state_dict"]
     lm = {k[len("policy.lm."):]: v for k, v in saved.items() if k.startswith("policy.lm.")}
     assert lm["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 128, 128)
+    from transformers import AutoModelForCausalLM
+
+    from molt_lightning.export import export  # molt export reads the same shards into one Hugging Face folder
+
+    exported = AutoModelForCausalLM.from_pretrained(export(str(tmp_path / "ckpt" / "last.ckpt"), str(tmp_path / "hf")))
+    assert all(torch.equal(p, lm[n]) for n, p in exported.named_parameters())
     resumed = fit(tmp_path, "fsdp2_ep", steps=4, name="resumed", ckpt=str(tmp_path / "ckpt" / "last.ckpt"),
                   policy=MOE, routing="replay", max_lag=0)
     [sync] = records(resumed, 0, "sync")
     assert sync["version"] == sync["engine_version"] == 3 and sync["max_abs_diff"] == 0.0
-    from transformers import AutoModelForCausalLM
-
     from molt_lightning.models.tiny import moe_policy
 
     names = [n for n, _ in AutoModelForCausalLM.from_pretrained(moe_policy()).named_parameters()]  # tied head once

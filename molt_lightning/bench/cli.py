@@ -7,6 +7,7 @@
     molt-bench compare A B [--metric M] [--margin D|P%] [--by step|samples|wall] [--allow-diff FIELD] [--report DIR]
                            [--exclude SIDE:SEED] [--accept-check]
     molt-bench compare-published [NAME=]MEAN,SD,N [NAME=]MEAN,SD,N --goal max|min --margin D|P%  # a paper's numbers
+    molt-bench heldout RUN_DIR | BEFORE.json AFTER.json [--margin D]  # held-out accuracy before/after, verdict
     molt-bench protocols        # the protocols shipped in protocols/, with fingerprints
     molt-bench reproduce NAME [--out DIR]   # re-run a result the READMEs report (--list: which)
 
@@ -102,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--metric", action="append", default=None, help="the metrics you will compare (default: the "
                    "protocol's); NaN in those is an error, elsewhere a warning")
 
+    h = sub.add_parser("heldout", help="held-out accuracy before and after training (Evaluate's rounds or two "
+                       "`molt eval --out` files), with the verdict")
+    h.add_argument("paths", nargs="+", type=Path, help="a run folder (its eval.jsonl), or BEFORE.json AFTER.json")
+    h.add_argument("--margin", type=float, default=0.05, help="equivalence margin in accuracy (default 0.05)")
+
     sub.add_parser("protocols", help="list the shipped protocols and their fingerprints")
 
     rp = sub.add_parser("reproduce", help="re-run a reported result (benchmarks/reported.yaml) and write its "
@@ -195,6 +201,13 @@ def cmd_check(args) -> int:
     return 1 if found_errors else 0
 
 
+def cmd_heldout(args) -> int:
+    from .heldout import heldout
+
+    print(heldout(args.paths, args.margin))
+    return 0
+
+
 def cmd_protocols(args) -> int:
     from .protocol import PROTOCOL_DIR, load_protocol
 
@@ -219,7 +232,7 @@ def cmd_reproduce(args) -> int:
 
 
 COMMANDS = {"run": cmd_run, "import": cmd_import, "check": cmd_check, "compare": cmd_compare,
-            "compare-published": cmd_compare_published,
+            "compare-published": cmd_compare_published, "heldout": cmd_heldout,
             "protocols": cmd_protocols, "reproduce": cmd_reproduce}
 
 if __name__ == "__main__":  # vLLM starts its engine core with spawn: keep the entry point guarded

@@ -21,10 +21,13 @@ The metrics go to the run's logger as ``eval/<source>/<metric>`` at the step the
 ``avg@k`` with its interval beside the training reward), every round to ``eval.jsonl`` in the run folder (with each
 prompt's mean reward, for before/after comparisons), and a table to the log.
 
-Held out means never trained on: when the run's tasks are a ``data.Tasks`` (finite), held-out prompts that also occur
-in the training data are dropped before the first round (counted and logged). A task generator (``tasks(seed)``
-without end) cannot be checked: give it a seed of its own (``seed``) and know that a disjoint seed draws different
-problems, not necessarily unseen ones.
+Held out means never trained on. When the run's tasks are a ``data.Tasks`` (finite), ``overlap`` says which side gives
+up a prompt both hold: ``drop_from_training`` (the default) leaves the training rows that hold a held-out prompt out
+of training, so the held-out set keeps the distribution it was drawn from (with a generator's small problem space,
+dropping from the evaluation instead would leave only its rare, harder problems); ``drop_from_eval`` drops those
+prompts from the evaluation. Both are counted and logged (``eval/excluded_from_training``, ``eval/dropped_seen``).
+A task generator (``tasks(seed)`` without end) cannot be checked: give it a seed of its own (``seed``) and know that
+a disjoint seed draws different problems, not necessarily unseen ones. Repeated held-out prompts count once.
 
 ``keep_best: eval/<source>/avg@4``: a checkpoint of the weights a periodic round measures is saved when the round
 starts and kept as ``best.ckpt`` in the checkpoint folder while its metric is the highest seen (``mode: min`` for
@@ -52,7 +55,7 @@ class Evaluate(L.Callback):
     def __init__(self, tasks: Callable, k: int = 4, temperature: float | None = None, every_n_steps: int = 0,
                  at_start: bool = True, at_end: bool = True, max_prompts: int | None = None, seed: int = 0,
                  agent: Callable | None = None, success: float = 1.0, concurrency: int = 64,
-                 keep_best: str | None = None, mode: str = "max"):
+                 keep_best: str | None = None, mode: str = "max", overlap: str = "drop_from_training"):
         if k < 1 or every_n_steps < 0 or concurrency < 1 or (max_prompts is not None and max_prompts < 1):
             raise ValueError(f"Evaluate: k, concurrency and max_prompts must be >= 1 and every_n_steps >= 0, got k={k}"
                              f", concurrency={concurrency}, max_prompts={max_prompts}, every_n_steps={every_n_steps}")
@@ -64,48 +67,70 @@ class Evaluate(L.Callback):
         if keep_best is not None and (not keep_best.startswith("eval/") or mode not in ("max", "min")):
             raise ValueError(f"Evaluate: keep_best names a logged metric (eval/<source>/avg@{k}) and mode is max or "
                              f"min, got {keep_best!r}, {mode!r}")
+        if overlap not in ("drop_from_training", "drop_from_eval"):
+            raise ValueError(f"Evaluate: overlap is drop_from_training or drop_from_eval, got {overlap!r}")
         if keep_best is not None and not every_n_steps:
             raise ValueError("Evaluate: keep_best keeps the best of the periodic rounds: set every_n_steps")
         self.tasks, self.k, self.temperature, self.every_n_steps = tasks, k, temperature, every_n_steps
         self.at_start, self.at_end, self.max_prompts, self.seed = at_start, at_end, max_prompts, seed
         self.agent, self.success, self.concurrency = agent, success, concurrency
-        self.keep_best, self.mode = keep_best, mode
+        self.keep_best, self.mode, self.overlap = keep_best, mode, overlap
         self.samples = self.held_out()
-        self.dropped_seen = 0
+        self.dropped_seen = self.excluded_from_training = 0
         self._round = None  # (future, step, version, candidate checkpoint) of the round in flight
         self._due: int | None = None  # the version whose round starts at the next batch
         self._started = False
         self._best: float | None = None
 
     def held_out(self) -> list[dict]:
-        samples = []
+        """The held-out samples: all of a finite task set (``len``), else the first ``max_prompts`` of the stream;
+        repeated prompts once (``drop_seen`` then trims them to ``max_prompts``)."""
+        if self.max_prompts is None and not hasattr(self.tasks, "__len__"):
+            raise ValueError("Evaluate: the evaluation tasks are a stream without end: set max_prompts")
+        samples, keys = [], set()
         for sample in self.tasks(self.seed):
-            samples.append(sample)
-            if self.max_prompts is not None and len(samples) >= self.max_prompts:
+            key = prompt_key(sample) if "messages" in sample else repr(sample)
+            if key not in keys:
+                keys.add(key)
+                samples.append(sample)
+            if self.max_prompts is not None and len(samples) >= self.max_prompts and \
+                    not hasattr(self.tasks, "__len__"):
                 break
         if not samples:
             raise ValueError("Evaluate: the evaluation tasks yielded no samples")
         return samples
 
     def drop_seen(self, train_tasks) -> None:
-        """Drop the held-out prompts that also occur in ``train_tasks`` (when it can tell: a ``data.Tasks``)."""
+        """Drop the held-out prompts that also occur in ``train_tasks`` (when it can tell: a ``data.Tasks``), then
+        keep the first ``max_prompts``."""
         keys = getattr(train_tasks, "keys", None)
-        if not callable(keys) or "messages" not in self.samples[0]:
-            return
-        seen = keys()
-        kept = [s for s in self.samples if prompt_key(s) not in seen]
-        if not kept:
-            raise ValueError("Evaluate: every held-out prompt also occurs in the training data: evaluate on another "
-                             "file, split or generator seed")
-        if len(kept) < len(self.samples):
-            log.warning("evaluation: %d of %d held-out prompts also occur in the training data and are dropped",
-                        len(self.samples) - len(kept), len(self.samples))
-        self.dropped_seen += len(self.samples) - len(kept)
-        self.samples = kept
+        if callable(keys) and "messages" in self.samples[0]:
+            seen = keys()
+            kept = [s for s in self.samples if prompt_key(s) not in seen]
+            if not kept:
+                raise ValueError("Evaluate: every held-out prompt also occurs in the training data: evaluate on "
+                                 "another file, split or generator seed (reasoning-gym seeds item i with seed + i: "
+                                 "seeds closer than the sizes share items)")
+            if len(kept) < len(self.samples):
+                log.warning("evaluation: %d of %d held-out prompts also occur in the training data and are dropped",
+                            len(self.samples) - len(kept), len(self.samples))
+            self.dropped_seen += len(self.samples) - len(kept)
+            self.samples = kept
+        self.samples = self.samples[: self.max_prompts]
 
     # ----- hooks -----
     def on_fit_start(self, trainer, pl_module) -> None:
-        self.drop_seen(pl_module.source.tasks)
+        train = pl_module.source.tasks
+        if self.overlap == "drop_from_training" and callable(getattr(train, "exclude", None)) and \
+                "messages" in self.samples[0]:
+            self.samples = self.samples[: self.max_prompts]
+            removed = train.exclude({prompt_key(s) for s in self.samples})
+            self.excluded_from_training += removed
+            if removed:
+                log.warning("evaluation: %d training rows hold a held-out prompt and are left out of training",
+                            removed)
+        else:
+            self.drop_seen(train)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self._started:
@@ -167,7 +192,8 @@ class Evaluate(L.Callback):
         summary = evaluation.summarize(outcomes, self.k)
         metrics = {f"eval/{source}/{name}": value for source, m in summary.items() for name, value in m.items()}
         metrics.update({"eval/version": float(version), "eval/seconds": seconds,
-                        "eval/dropped_seen": float(self.dropped_seen)})
+                        "eval/dropped_seen": float(self.dropped_seen),
+                        "eval/excluded_from_training": float(self.excluded_from_training)})
         if trainer.logger is not None:
             trainer.logger.log_metrics(metrics, step=step)
             if trainer.logger.log_dir:

@@ -17,6 +17,7 @@ and file-descriptor redirection is a few ``os.dup2`` calls.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
@@ -123,8 +124,26 @@ class RunSummary(L.Callback):
                      f"{total['dropped_filtered_samples']} filtered), {left} not trained when the run ended; "
                      f"{total['dropped_empty_groups']} groups had no usable sample")
         if trainer.logger is not None:  # (not trainer.log_dir: a collective, and only rank 0 is here)
+            lines += _held_out(trainer.logger.log_dir)
             lines.append(f"  run folder: {trainer.logger.log_dir} (metrics.csv, reward.png, config.yaml)")
         return "\n".join(lines)
+
+
+def _held_out(log_dir: str | None) -> list[str]:
+    """A line per held-out source of the run's evaluation (``Evaluate``): avg@k at its first and last round."""
+    path = os.path.join(log_dir or "", "eval.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        rounds = [json.loads(x) for x in f if x.strip()]
+    first, last, lines = rounds[0], rounds[-1], []
+    for source, m in last["metrics"].items():
+        name = f"avg@{last['k']}"
+        before = first["metrics"].get(source, {}).get(name)
+        was = f"{before:.2f} (version {first['version']}) -> " if before is not None and len(rounds) > 1 else ""
+        lines.append(f"  held-out {source} {name}: {was}{m[name]:.2f} [{m[name + '_lo']:.2f}, {m[name + '_hi']:.2f}]"
+                     f" (version {last['version']}; {int(m['prompts'])} prompts, eval.jsonl)")
+    return lines
 
 
 def _clock(seconds: float) -> str:

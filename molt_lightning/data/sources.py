@@ -109,8 +109,12 @@ class Tasks:
         names = [s.name for s in self.sources]
         if len(set(names)) < len(names):
             raise ValueError(f"data sources need distinct names (set name:), got {names}")
-        self.shuffle, self.rows = shuffle, [load(s) for s in self.sources]
-        self.epoch_size = epoch_size or sum(len(r) for r in self.rows)
+        self.shuffle, self.rows, self.epoch_size_given = shuffle, [load(s) for s in self.sources], epoch_size
+        self._plan()
+
+    def _plan(self) -> None:
+        """Each source's share of an epoch (its quota)."""
+        self.epoch_size = self.epoch_size_given or sum(len(r) for r in self.rows)
         weighted = [s.weight is not None for s in self.sources]
         if any(weighted) and not all(weighted):
             raise ValueError("data sources: give every source a weight, or none (each row once per epoch)")
@@ -119,6 +123,20 @@ class Tasks:
         if 0 in self.quotas:
             raise ValueError(f"data source {self.sources[self.quotas.index(0)].label} gets no sample in an epoch of "
                              f"{self.epoch_size}: raise its weight or epoch_size")
+
+    def exclude(self, keys: set[str]) -> int:
+        """Remove the rows whose prompt is in ``keys`` (an evaluation's held-out prompts, ``prompt_key``); returns
+        how many were removed. The epochs are planned again (the rollout side has not read any yet)."""
+        removed = 0
+        for i, rows in enumerate(self.rows):
+            kept = [s for s in rows if prompt_key(s) not in keys]
+            if not kept:
+                raise ValueError(f"data source {self.sources[i].label}: every row is also a held-out prompt of the "
+                                 "evaluation: evaluate on other data")
+            removed, self.rows[i] = removed + len(rows) - len(kept), kept
+        if removed:
+            self._plan()
+        return removed
 
     def __len__(self) -> int:
         return sum(self.quotas)

@@ -1,6 +1,7 @@
 """A callback for the 2-process tests (imported by the CLI's ranks through PYTHONPATH): per rank and step it writes
 which samples the rank trained on, how much of each parameter it holds, and, on rank 0, whether the engine's weights
-equal the gathered policy weights (a LoRA policy: its adapter) of the version it serves."""
+equal the gathered policy weights (a LoRA policy: its adapter) of the version it serves; at the end, rank 0 saves the
+trainer's logprobs on the export tests' batch (``logprob_probe``)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,11 @@ class Probe(L.Callback):
                               "all_samples": sorted({t.sample_id for t in b.trajectories}),
                               "token_versions": [int(version_range.min()), int(version_range.max())],
                               "global_step": trainer.global_step})
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import torch
+        from logprob_probe import trainer_logprobs
+
+        lps = trainer_logprobs(pl_module.policy, pl_module.tokenizer)  # every rank: FSDP2 gathers in the forward
+        if trainer.global_rank == 0:
+            torch.save(lps, os.path.join(self.out, "logprobs.pt"))
