@@ -219,7 +219,7 @@ def evaluate_policy(module, evaluate) -> tuple[list[Outcome], float]:
         raise ValueError(f"molt eval: {path} is a LoRA adapter folder: export with --merge (or pass --ckpt)")
     tokenizer, rollout = AutoTokenizer.from_pretrained(path), module.rollout
     max_context = rollout.max_context or AutoConfig.from_pretrained(path).get_text_config().max_position_embeddings
-    evaluate.drop_seen(module.source.tasks)
+    evaluate.select(module.source.tasks, fitting=False)
     clients = AgentClients(module.engine, path, tokenizer, rollout.temperature, max_context)
     temperature = rollout.temperature if evaluate.temperature is None else evaluate.temperature
     module.engine.launch(path)

@@ -82,21 +82,21 @@ def test_summarize_by_source():
 
 # ----- evaluation beside training -----
 class WaitsForTheTrainer:
-    """An evaluation agent that answers only after the trainer has made two more policy versions than the engine
-    served when the run began: it proves the trainer steps while a round is in flight (a trainer waiting for the
+    """An evaluation agent that answers only once the engine serves two more policy versions than when the run began
+    (or the last one): it proves the trainer steps and pushes while a round is in flight (a trainer waiting for the
     round would never get there: the deadline fails the run, and the test)."""
 
-    def __init__(self):
-        self.module, self.waited = None, []
+    def __init__(self, last: int):
+        self.last, self.waited = last, []
 
     async def __call__(self, client, sample):
         start = client.engine.version
         deadline = asyncio.get_running_loop().time() + 120
-        while self.module.policy_version < start + 2:
+        while client.engine.version < min(start + 2, self.last):
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError("the trainer did not step while the evaluation ran")
             await asyncio.sleep(0.01)
-        self.waited.append((start, self.module.policy_version))
+        self.waited.append((start, client.engine.version))
         return await arithmetic.calculator_agent(client, sample)
 
 
@@ -104,8 +104,6 @@ def fit(tmp_path, policy_path, evaluate: Evaluate, max_lag: int, steps: int, tas
     module = AsyncRLModule(agent=arithmetic.calculator_agent, tasks=tasks, policy=policy_path,
                            engine=TorchEngine(seed=0), rollout=Rollout(max_lag=max_lag, **{
                                "group_size": 4, "prompts_per_step": 4, **rollout}))
-    if isinstance(evaluate.agent, WaitsForTheTrainer):
-        evaluate.agent.module = module
     logger = L.pytorch.loggers.CSVLogger(tmp_path, name="run")
     trainer = L.Trainer(max_steps=steps, logger=logger, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[evaluate], log_every_n_steps=1)
@@ -116,16 +114,19 @@ def fit(tmp_path, policy_path, evaluate: Evaluate, max_lag: int, steps: int, tas
 
 @pytest.mark.parametrize("max_lag", [0, 1])
 def test_rounds_run_beside_training_and_name_their_versions(tmp_path, policy_path, max_lag):
-    agent = WaitsForTheTrainer()
+    agent = WaitsForTheTrainer(last=10)
     evaluate = Evaluate(arithmetic.tasks, k=2, seed=99, max_prompts=3, every_n_steps=3, at_start=False,
                         at_end=False, agent=agent)
-    module, _, rounds, _ = fit(tmp_path, policy_path, evaluate, max_lag, steps=8)
-    assert [r["version"] for r in rounds] == [3, 6]
-    assert len(agent.waited) >= 12  # every run of both rounds waited for two more versions, and got them
+    module, _, rounds, _ = fit(tmp_path, policy_path, evaluate, max_lag, steps=10)
+    versions = [r["version"] for r in rounds]
+    assert versions[0] == 3 and 6 <= versions[1] < 10 and len(rounds) <= 3  # one at a time, none doubled
+    assert [(s, v) for s, v in agent.waited if s == 3] and all(v >= min(s + 2, 10) for s, v in agent.waited)
     for r in rounds:
         m = r["metrics"]["heldout"]
         assert m["prompts"] == 3 and m["failed"] == 0
-        assert r["version"] + 2 <= m["version_min"] <= m["version_max"] <= module.policy_version  # tagged, as served
+        # tagged as served: from the version the round started at (plus the two it waited for) to the last
+        assert min(r["version"] + 2, 10) <= m["version_min"] <= m["version_max"] <= module.policy_version, (
+            rounds, agent.waited)
 
 
 def test_start_and_end_rounds_measure_one_version_each(tmp_path, policy_path):

@@ -13,10 +13,11 @@ When (``evaluation.run_round`` does the work, ``evaluation.summarize`` the metri
 - **at the start** (before the first step, the weights the run starts from) and **at the end** (after the last
   step's weights reached the engine; the rollouts stop first): the trainer waits for these, so each measures exactly
   one policy version;
-- **every ``every_n_steps`` policy versions** a round starts once that version's weights have reached the engine and
-  runs beside training: the trainer keeps stepping (its wait is the round's share of the engine), and weights that
-  arrive meanwhile serve the rest of the round (in-flight updates), so its metrics name the versions they measured
-  (``version_min``/``version_max``). One round at a time: a round still running when the next is due is not doubled.
+- **every ``every_n_steps`` policy versions** a round starts at the next step, once that version's weights have
+  reached the engine, and runs beside training: the trainer keeps stepping (its wait is the round's share of the
+  engine), and weights that arrive meanwhile serve the rest of the round (in-flight updates), so its metrics name the
+  versions they measured (``version_min``/``version_max``). One round at a time: a round due while another runs
+  starts when that one has ended (at a later version, which it names).
 The metrics go to the run's logger as ``eval/<source>/<metric>`` at the step the round started (``RewardPlot`` draws
 ``avg@k`` with its interval beside the training reward), every round to ``eval.jsonl`` in the run folder (with each
 prompt's mean reward, for before/after comparisons), and a table to the log.
@@ -45,7 +46,7 @@ from collections.abc import Callable
 
 import lightning as L
 
-from .. import evaluation
+from .. import evaluation, parallel
 from ..data.sources import prompt_key
 
 log = logging.getLogger("molt_lightning.evaluate")
@@ -118,36 +119,46 @@ class Evaluate(L.Callback):
             self.samples = kept
         self.samples = self.samples[: self.max_prompts]
 
-    # ----- hooks -----
-    def on_fit_start(self, trainer, pl_module) -> None:
-        train = pl_module.source.tasks
-        if self.overlap == "drop_from_training" and callable(getattr(train, "exclude", None)) and \
-                "messages" in self.samples[0]:
-            self.samples = self.samples[: self.max_prompts]
-            removed = train.exclude({prompt_key(s) for s in self.samples})
+    def select(self, train_tasks, fitting: bool = True) -> None:
+        """Settle the held-out prompts against the training tasks (``overlap``, see the module docstring); outside a
+        fit (``molt eval``) training gives nothing up, so the set is the one a fit would evaluate."""
+        if self.overlap == "drop_from_eval":
+            return self.drop_seen(train_tasks)
+        self.samples = self.samples[: self.max_prompts]
+        if fitting and callable(getattr(train_tasks, "exclude", None)) and "messages" in self.samples[0]:
+            removed = train_tasks.exclude({prompt_key(s) for s in self.samples})
             self.excluded_from_training += removed
             if removed:
                 log.warning("evaluation: %d training rows hold a held-out prompt and are left out of training",
                             removed)
-        else:
-            self.drop_seen(train)
+
+    # ----- hooks -----
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._started, self._due, self._round = False, False, None
+        self.select(pl_module.source.tasks)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self._started:
             self._started = True
             if self.at_start:
-                self._finish(trainer, self._start(trainer, pl_module, pl_module.policy_version))
-        elif self._due is not None:
-            self._round = self._start(trainer, pl_module, self._due, self._candidate(trainer, pl_module))
-            self._due = None
+                self._finish(trainer, self._start(trainer, pl_module))
+            return
+        self._collect(trainer)
+        # a due round starts once none is running (rank 0 knows; every rank must agree: keep_best saves on all)
+        if self._due and parallel.broadcast(self._round is None, trainer):
+            self._round = self._start(trainer, pl_module, self._candidate(trainer, pl_module))
+            self._due = False
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._round is not None and self._round[0].done():
+        self._collect(trainer)
+        if self.every_n_steps and pl_module.policy_version % self.every_n_steps == 0:
+            self._due = True  # started at the next batch (WeightSync pushes this version after this hook)
+
+    def _collect(self, trainer) -> None:
+        """Log the round in flight if it has ended."""
+        if self._round is not None and (self._round[0] is None or self._round[0].done()):
             self._finish(trainer, self._round)
             self._round = None
-        version = pl_module.policy_version
-        if self.every_n_steps and version % self.every_n_steps == 0 and self._round is None:
-            self._due = version  # started at the next batch: WeightSync pushes it after this hook
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self._round is not None:
@@ -156,15 +167,17 @@ class Evaluate(L.Callback):
         if self.at_end and pl_module._started:
             pl_module.weights.settle()  # the last step's weights serve
             pl_module.source.stop()  # rollouts no longer needed: the engine is the evaluation's
-            self._finish(trainer, self._start(trainer, pl_module, pl_module.policy_version))
+            self._finish(trainer, self._start(trainer, pl_module))
 
     def on_exception(self, trainer, pl_module, exception) -> None:
-        if self._round is not None:
+        if self._round is not None and self._round[0] is not None:
             self._round[0].cancel()
             self._round = None
 
     # ----- rounds -----
-    def _start(self, trainer, pl_module, version: int, candidate: str | None = None):
+    def _start(self, trainer, pl_module, candidate: str | None = None):
+        """A round of the version the engine serves once the load in flight (if any) has ended."""
+        version = pl_module.policy_version
         if trainer.global_rank != 0:
             return None, trainer.global_step, version, candidate
         engine, pending = pl_module.engine, pl_module.weights.pending
