@@ -196,7 +196,10 @@ def main(argv: list[str], cli_class, parser_class) -> None:
             raise SystemExit("molt eval: the recipe has no molt_lightning.callbacks.Evaluate under trainer.callbacks: "
                              "add one with the held-out tasks (docs/workflow.md)")
         evaluate, module = found[0], cli.model
-        outcomes, seconds = evaluate_policy(module, evaluate)
+        try:
+            outcomes, seconds = evaluate_policy(module, evaluate)
+        except ValueError as e:  # a policy folder that is not one: the message names the fix
+            raise SystemExit(str(e)) from None
     summary = summarize(outcomes, evaluate.k)
     print(report(summary, evaluate.k))
     print(f"molt eval: {len(outcomes)} runs in {seconds:.1f} s")
@@ -214,9 +217,10 @@ def evaluate_policy(module, evaluate) -> tuple[list[Outcome], float]:
 
     from .policy import policy_folder
 
+    if os.path.exists(os.path.join(str(module.hparams.policy), "adapter_config.json")):
+        raise ValueError(f"molt eval: {module.hparams.policy} is a LoRA adapter folder: export with --merge (or pass "
+                         "--ckpt)")
     path = policy_folder(module.hparams.policy)
-    if os.path.exists(os.path.join(path, "adapter_config.json")):
-        raise ValueError(f"molt eval: {path} is a LoRA adapter folder: export with --merge (or pass --ckpt)")
     tokenizer, rollout = AutoTokenizer.from_pretrained(path), module.rollout
     max_context = rollout.max_context or AutoConfig.from_pretrained(path).get_text_config().max_position_embeddings
     evaluate.select(module.source.tasks, fitting=False)

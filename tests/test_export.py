@@ -179,3 +179,24 @@ def test_molt_serve_serves_an_export_with_transformers_greedy_outputs(tmp_path, 
             assert got == want[: len(got)] and got, (got, want)
     finally:
         server.stop()
+
+
+def test_molt_eval_on_a_checkpoint_and_what_it_refuses(tmp_path, policy_path, capsys):
+    """``molt eval --ckpt`` exports the checkpoint (merged) and runs the recipe's evaluation on it, in this process;
+    a recipe without ``Evaluate`` and a LoRA adapter folder are refused with the fix."""
+    from molt_lightning.cli import main
+
+    _, ckpt = train(tmp_path, policy_path, steps=1)
+    recipe = tmp_path / "eval.yaml"
+    recipe.write_text(EVAL_RECIPE)
+    main(["eval", "--config", str(recipe), "--ckpt", str(ckpt), "--out", str(tmp_path / "e.json")])
+    assert "heldout: 6 prompts x 2: avg@2" in capsys.readouterr().out
+    result = json.loads((tmp_path / "e.json").read_text())
+    assert result["k"] == 2 and len(result["per_prompt"]["heldout"]) == 6
+    with pytest.raises(SystemExit, match="is a LoRA adapter folder: export with --merge"):
+        (tmp_path / "adapter").mkdir()
+        (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+        main(["eval", "--config", str(recipe), "--model.policy", str(tmp_path / "adapter")])
+    recipe.write_text(EVAL_RECIPE.split("  callbacks:")[0] + "model:" + EVAL_RECIPE.split("model:")[1])
+    with pytest.raises(SystemExit, match="has no molt_lightning.callbacks.Evaluate"):
+        main(["eval", "--config", str(recipe)])

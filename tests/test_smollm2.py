@@ -42,3 +42,38 @@ def test_smollm2_trains_on_policy_with_exact_sync(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)  # it learned something
     served = dict(engine.model.named_parameters())  # the engine's copy is the trained one (the run has stopped)
     assert all(torch.equal(served[k], after[k].detach()) for k in after)
+
+
+def test_the_chain_sum_recipe_runs_two_steps_with_its_held_out_evaluation(tmp_path):
+    """``recipes/smollm2_chain_sum.yaml`` as it ships (vLLM, reasoning-gym data, the last-number verifier, Evaluate)
+    for 2 steps, its held-out set cut to 4 prompts x 2 runs: both rounds are logged and the run folder is complete."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    pytest.importorskip("vllm")
+    pytest.importorskip("reasoning_gym")
+    root = Path(__file__).resolve().parents[1]
+    recipe = yaml.safe_load((root / "recipes" / "smollm2_chain_sum.yaml").read_text())
+    recipe["trainer"].update(max_steps=2, enable_progress_bar=False)
+    recipe["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path)
+    for callback in recipe["trainer"]["callbacks"]:
+        if callback["class_path"].endswith("Evaluate"):
+            callback["init_args"].update(max_prompts=4, k=2)
+        if callback["class_path"].endswith("ModelCheckpoint"):
+            callback["init_args"]["dirpath"] = str(tmp_path / "ckpt")
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    molt = [sys.executable, "-m", "molt_lightning.cli", "fit", "--config", str(tmp_path / "recipe.yaml")]
+    done = subprocess.run(molt, cwd=root, env={**os.environ, "HF_HUB_OFFLINE": "1", "MOLT_QUIET": "0"},
+                          capture_output=True, text=True, timeout=800)
+    assert done.returncode == 0, done.stderr[-4000:]
+    [run] = list((tmp_path / "smollm2_chain_sum").iterdir())
+    rounds = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rounds] == [0, 2]
+    assert all(r["metrics"]["chain_sum"]["prompts"] == 4 for r in rounds)
+    df = pd.read_csv(run / "metrics.csv")
+    assert df.dropna(subset=["reward"])["step"].nunique() == 2 and (tmp_path / "ckpt" / "last.ckpt").exists()
