@@ -3,7 +3,8 @@
 Runs the embedded default (the tiny policy, the calculator task, vLLM in-process on core 1, the trainer on one
 thread, ``max_lag=1``) for ``--steps`` steps twice in one process: once without evaluation, once with a periodic
 round every ``--every`` steps (``--prompts`` held-out prompts x ``--k`` runs, beside training; no start or end
-round, which the trainer waits for by design). Prints one table: s/step (median and mean over the steps after
+round, which the trainer waits for by design), at each ``--concurrency`` (runs of a round at once: fewer share the
+engine less, for a longer round). Prints one table: s/step (median and mean over the steps after
 ``--warmup``), the trainer's wait for data, the rounds run and their seconds, and the ratio to the run without
 evaluation. Usage: ``python benchmarks/eval_overhead.py [--steps 60] [--every 10]``.
 """
@@ -50,6 +51,7 @@ def main():
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 16], help="agent runs of a round at once")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import pandas as pd
@@ -58,10 +60,11 @@ def main():
     from molt_lightning.tasks import arithmetic
 
     rows = [run("no evaluation", args.steps, args.warmup, None)]
-    evaluate = Evaluate(arithmetic.tasks, k=args.k, seed=10_000, max_prompts=args.prompts, every_n_steps=args.every,
-                        at_start=False, at_end=False)
-    rows.append(run(f"a round every {args.every} steps ({args.prompts} x {args.k})", args.steps, args.warmup,
-                    evaluate))
+    for concurrency in args.concurrency:
+        evaluate = Evaluate(arithmetic.tasks, k=args.k, seed=10_000, max_prompts=args.prompts,
+                            every_n_steps=args.every, at_start=False, at_end=False, concurrency=concurrency)
+        rows.append(run(f"a round every {args.every} steps ({args.prompts} x {args.k}, {concurrency} at once)",
+                        args.steps, args.warmup, evaluate))
     table = pd.DataFrame(rows).set_index("config")
     for col in ("s/step median", "s/step mean"):
         table[f"{col.split()[1]} ratio"] = table[col] / table[col].iloc[0]

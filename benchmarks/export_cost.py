@@ -18,16 +18,18 @@ from pathlib import Path
 
 
 def checkpoint(policy: str, path: Path) -> None:
+    """A checkpoint as ``molt fit`` writes one for ``policy``: the module's state (``policy.lm.*``), its
+    hyperparameters, and AdamW's two moments per parameter."""
     import torch
 
-    from molt_lightning import AsyncRLModule
-    from molt_lightning.tasks import arithmetic
+    from molt_lightning.models import load_lm
+    from molt_lightning.policy import policy_folder
 
-    module = AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, policy=policy)
-    module.configure_model()
+    lm = load_lm(policy_folder(policy), torch.float32)
     moments = {i: {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-               for i, p in enumerate(module.trainable_parameters())}
-    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams), "global_step": 1,
+               for i, p in enumerate(lm.parameters())}
+    torch.save({"state_dict": {f"policy.lm.{k}": v for k, v in lm.state_dict().items()},
+                "hyper_parameters": {"policy": policy, "lora": None, "dtype": "float32"}, "global_step": 1,
                 "molt": {"policy_version": 1}, "optimizer_states": [{"state": moments}]}, path)
 
 

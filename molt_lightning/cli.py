@@ -7,7 +7,9 @@ own or ``--trainer.enable_progress_bar false``; a summary closes the run (``RunS
 ``MOLT_QUIET=1``) that is all the terminal shows: everything else goes to ``molt.log`` in the run folder
 (``callbacks.runlog``). Checkpoints are written atomically, a full disk named
 (``callbacks.checkpoint.AtomicCheckpointIO``), unless the recipe brings its own ``CheckpointIO``. ``molt serve``
-starts a vLLM server for ``RemoteVLLMEngine``/``EnginePool`` (``molt_lightning.serve``).
+starts a vLLM server for ``RemoteVLLMEngine``/``EnginePool`` (``molt_lightning.serve``); ``molt export`` writes a
+checkpoint as a Hugging Face folder (``molt_lightning.export``); ``molt eval`` runs a recipe's ``Evaluate`` alone on a
+policy folder or a checkpoint (``evaluate_main``).
 
 A bad recipe is answered before anything starts, with the problem and its fix and no traceback: jsonargparse's
 parse errors (YAML syntax, unknown keys, wrong types, dotted paths that do not import or are the wrong kind of
@@ -172,9 +174,7 @@ def main(args: list[str] | None = None) -> None:
 
         return export(argv[1:])
     if argv[:1] == ["eval"]:  # `molt eval --config RECIPE`: the recipe's evaluation alone (molt_lightning.evaluation)
-        from .evaluation import main as evaluate
-
-        return evaluate(argv[1:], molt_cli(), MoltParser)
+        return evaluate_main(argv[1:])
     from .callbacks.checkpoint import DiskFull
     from .callbacks.runlog import QuietTerminal
     from .engines import EngineUnavailable
@@ -270,6 +270,85 @@ def molt_cli(quiet: list | None = None):
             return super().instantiate_trainer(**kwargs)
 
     return MoltCLI
+
+
+# ----- molt eval -----
+def evaluate_main(argv: list[str]) -> None:
+    """``molt eval --config RECIPE [--ckpt CKPT] [--out FILE] [--model.policy FOLDER] [other recipe keys]``: one round
+    of the recipe's ``Evaluate`` callback on a policy folder (the recipe's ``model.policy``, or another one), or on a
+    checkpoint (exported first, a LoRA adapter merged), with the recipe's engine and agent; prints the table and
+    writes the metrics and per-prompt rewards as JSON to ``--out``."""
+    import argparse
+    import json
+    import tempfile
+
+    from .callbacks.evaluate import Evaluate
+    from .evaluation import per_prompt_rewards, report, summarize
+    from .module import AsyncRLModule
+
+    p = argparse.ArgumentParser(prog="molt eval", add_help=False)
+    p.add_argument("--ckpt", default=None, help="a checkpoint of molt fit to evaluate (exported first)")
+    p.add_argument("--out", default=None, help="write the metrics and per-prompt rewards here (JSON)")
+    ours, rest = p.parse_known_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        if ours.ckpt:
+            from .export import export
+
+            rest = [*rest, "--model.policy", str(export(ours.ckpt, tmp, merge=True))]
+        cli = molt_cli()(AsyncRLModule, run=False, args=rest, parser_class=MoltParser,
+                        parser_kwargs={"prog": "molt eval"}, auto_configure_optimizers=False,
+                        save_config_callback=None)
+        found = [c for c in cli.trainer.callbacks if isinstance(c, Evaluate)]
+        if not found:
+            raise SystemExit("molt eval: the recipe has no molt_lightning.callbacks.Evaluate under trainer.callbacks: "
+                             "add one with the held-out tasks (docs/workflow.md)")
+        evaluate, module = found[0], cli.model
+        try:
+            outcomes, seconds = evaluate_policy(module, evaluate)
+        except ValueError as e:  # a policy folder that is not one: the message names the fix
+            raise SystemExit(str(e)) from None
+    summary = summarize(outcomes, evaluate.k)
+    print(report(summary, evaluate.k))
+    print(f"molt eval: {len(outcomes)} runs in {seconds:.1f} s")
+    if ours.out:
+        with open(ours.out, "w") as f:
+            json.dump({"policy": module.hparams.policy, "k": evaluate.k, "seconds": seconds, "metrics": summary,
+                       "per_prompt": per_prompt_rewards(outcomes)}, f, indent=1)
+
+
+def evaluate_policy(module, evaluate) -> tuple[list, float]:
+    """One round of ``evaluate`` on ``module``'s policy folder and engine, outside training."""
+    import os
+    import time
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from .client import AgentClients
+    from .evaluation import run_round
+    from .policy import policy_folder
+
+    if os.path.exists(os.path.join(str(module.hparams.policy), "adapter_config.json")):
+        raise ValueError(f"molt eval: {module.hparams.policy} is a LoRA adapter folder: export with --merge (or pass "
+                         "--ckpt)")
+    path = policy_folder(module.hparams.policy)
+    tokenizer, rollout = AutoTokenizer.from_pretrained(path), module.rollout
+    max_context = rollout.max_context or AutoConfig.from_pretrained(path).get_text_config().max_position_embeddings
+    evaluate.select(module.source.tasks, fitting=False)
+    clients = AgentClients(module.engine, path, tokenizer, rollout.temperature, max_context)
+    temperature = rollout.temperature if evaluate.temperature is None else evaluate.temperature
+    module.engine.launch(path)
+    try:
+        clients.start()
+        t0 = time.perf_counter()
+        outcomes = module.engine.call(run_round(
+            evaluate.samples, evaluate.agent or module.source.agent, clients, k=evaluate.k, temperature=temperature,
+            success=evaluate.success, seed=evaluate.seed, concurrency=evaluate.concurrency,
+            timeout_s=rollout.agent_timeout_s), timeout=None)
+        seconds = time.perf_counter() - t0
+        clients.stop()
+    finally:
+        module.engine.release()
+    return outcomes, seconds
 
 
 if __name__ == "__main__":  # vLLM's engine core starts with spawn: keep the entry point guarded

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -126,7 +125,8 @@ async def run_round(samples: list[dict], agent: Callable, clients: AgentClients,
 
     async def one(i: int, sample: dict, member: int) -> Outcome:
         source = str(sample.get("source", "heldout"))
-        traj = Trajectory(sample_id=i, group_id=-1, info={"sample": sample, "index": f"eval{member}"})
+        # a negative group of its own per prompt: an engine pool routes each (prompt, run) by it, never with training
+        traj = Trajectory(sample_id=i, group_id=-1 - i, info={"sample": sample, "index": f"eval{member}"})
         async with gate:
             async with clients.client(traj, request_seed(seed, i, member), None, temperature=temperature) as client:
                 try:
@@ -166,76 +166,3 @@ def dump(path: str, record: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
 
-
-# ----- molt eval -----
-def main(argv: list[str], cli_class, parser_class) -> None:
-    """``molt eval --config RECIPE [--ckpt CKPT] [--out FILE] [--model.policy FOLDER] [other recipe keys]``: one round
-    of the recipe's ``Evaluate`` callback on a policy folder (the recipe's ``model.policy``, or another one), or on a
-    checkpoint (exported first, a LoRA adapter merged), with the recipe's engine and agent; prints the table and
-    writes the metrics and per-prompt rewards as JSON to ``--out``."""
-    import argparse
-    import tempfile
-
-    from .callbacks.evaluate import Evaluate
-    from .module import AsyncRLModule
-
-    p = argparse.ArgumentParser(prog="molt eval", add_help=False)
-    p.add_argument("--ckpt", default=None, help="a checkpoint of molt fit to evaluate (exported first)")
-    p.add_argument("--out", default=None, help="write the metrics and per-prompt rewards here (JSON)")
-    ours, rest = p.parse_known_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        if ours.ckpt:
-            from .export import export
-
-            rest = [*rest, "--model.policy", str(export(ours.ckpt, tmp, merge=True))]
-        cli = cli_class(AsyncRLModule, run=False, args=rest, parser_class=parser_class,
-                        parser_kwargs={"prog": "molt eval"}, auto_configure_optimizers=False,
-                        save_config_callback=None)
-        found = [c for c in cli.trainer.callbacks if isinstance(c, Evaluate)]
-        if not found:
-            raise SystemExit("molt eval: the recipe has no molt_lightning.callbacks.Evaluate under trainer.callbacks: "
-                             "add one with the held-out tasks (docs/workflow.md)")
-        evaluate, module = found[0], cli.model
-        try:
-            outcomes, seconds = evaluate_policy(module, evaluate)
-        except ValueError as e:  # a policy folder that is not one: the message names the fix
-            raise SystemExit(str(e)) from None
-    summary = summarize(outcomes, evaluate.k)
-    print(report(summary, evaluate.k))
-    print(f"molt eval: {len(outcomes)} runs in {seconds:.1f} s")
-    if ours.out:
-        with open(ours.out, "w") as f:
-            json.dump({"policy": module.hparams.policy, "k": evaluate.k, "seconds": seconds, "metrics": summary,
-                       "per_prompt": per_prompt_rewards(outcomes)}, f, indent=1)
-
-
-def evaluate_policy(module, evaluate) -> tuple[list[Outcome], float]:
-    """One round of ``evaluate`` on ``module``'s policy folder and engine, outside training."""
-    import time
-
-    from transformers import AutoConfig, AutoTokenizer
-
-    from .policy import policy_folder
-
-    if os.path.exists(os.path.join(str(module.hparams.policy), "adapter_config.json")):
-        raise ValueError(f"molt eval: {module.hparams.policy} is a LoRA adapter folder: export with --merge (or pass "
-                         "--ckpt)")
-    path = policy_folder(module.hparams.policy)
-    tokenizer, rollout = AutoTokenizer.from_pretrained(path), module.rollout
-    max_context = rollout.max_context or AutoConfig.from_pretrained(path).get_text_config().max_position_embeddings
-    evaluate.select(module.source.tasks, fitting=False)
-    clients = AgentClients(module.engine, path, tokenizer, rollout.temperature, max_context)
-    temperature = rollout.temperature if evaluate.temperature is None else evaluate.temperature
-    module.engine.launch(path)
-    try:
-        clients.start()
-        t0 = time.perf_counter()
-        outcomes = module.engine.call(run_round(
-            evaluate.samples, evaluate.agent or module.source.agent, clients, k=evaluate.k, temperature=temperature,
-            success=evaluate.success, seed=evaluate.seed, concurrency=evaluate.concurrency,
-            timeout_s=rollout.agent_timeout_s), timeout=None)
-        seconds = time.perf_counter() - t0
-        clients.stop()
-    finally:
-        module.engine.release()
-    return outcomes, seconds

@@ -43,18 +43,24 @@ def draw(df, metric: str, out: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    train = df.dropna(subset=[metric])
-    ax.plot(train["step"], train[metric], marker=".", lw=1, label=f"training {metric}")
-    for column in series(df.columns):
+    train = df.dropna(subset=[metric]).groupby("step", as_index=False)[metric].first()
+    if len(train) >= 40:  # a noisy per-step reward: the steps faint, a moving mean over them
+        window = max(5, len(train) // 20)
+        ax.plot(train["step"], train[metric], marker=".", lw=0.5, alpha=0.35, color="C0")
+        ax.plot(train["step"], train[metric].rolling(window, min_periods=1).mean(), lw=2, color="C0",
+                label=f"training {metric} ({window}-step mean)")
+    else:
+        ax.plot(train["step"], train[metric], marker=".", lw=1, label=f"training {metric}")
+    for i, column in enumerate(series(df.columns)):
         rounds = df.dropna(subset=[column])
         low, high = rounds.get(f"{column}_lo"), rounds.get(f"{column}_hi")
         err = None if low is None or high is None else [rounds[column] - low, high - rounds[column]]
         source, k = EVAL.match(column).groups()
-        ax.errorbar(rounds["step"], rounds[column], yerr=err, marker="o", capsize=3, lw=1.5,
+        ax.errorbar(rounds["step"], rounds[column], yerr=err, marker="o", capsize=3, lw=1.2, ls="--", color=f"C{i + 1}",
                     label=f"held-out {source} avg@{k} (95% CI)")
     ax.set(xlabel="training step", ylabel=f"mean {metric}")
     ax.grid(alpha=0.3)
-    if series(df.columns):
+    if series(df.columns) or len(train) >= 40:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
