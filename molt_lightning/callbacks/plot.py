@@ -56,8 +56,9 @@ def draw(df, metric: str, out: str) -> None:
         low, high = rounds.get(f"{column}_lo"), rounds.get(f"{column}_hi")
         err = None if low is None or high is None else [rounds[column] - low, high - rounds[column]]
         source, k = EVAL.match(column).groups()
+        source = "" if source == "heldout" else f"{source} "  # "heldout": a plain tasks(seed) stream
         ax.errorbar(rounds["step"], rounds[column], yerr=err, marker="o", capsize=3, lw=1.2, ls="--", color=f"C{i + 1}",
-                    label=f"held-out {source} avg@{k} (95% CI)")
+                    label=f"held-out {source}avg@{k} (95% CI)")
     ax.set(xlabel="training step", ylabel=f"mean {metric}")
     ax.grid(alpha=0.3)
     if series(df.columns) or len(train) >= 40:

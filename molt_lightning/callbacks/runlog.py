@@ -141,7 +141,8 @@ def _held_out(log_dir: str | None) -> list[str]:
         name = f"avg@{last['k']}"
         before = first["metrics"].get(source, {}).get(name)
         was = f"{before:.2f} (version {first['version']}) -> " if before is not None and len(rounds) > 1 else ""
-        lines.append(f"  held-out {source} {name}: {was}{m[name]:.2f} [{m[name + '_lo']:.2f}, {m[name + '_hi']:.2f}]"
+        label = name if source == "heldout" else f"{source} {name}"  # "heldout": a plain tasks(seed) stream
+        lines.append(f"  held-out {label}: {was}{m[name]:.2f} [{m[name + '_lo']:.2f}, {m[name + '_hi']:.2f}]"
                      f" (version {last['version']}; {int(m['prompts'])} prompts, eval.jsonl)")
     return lines
 
