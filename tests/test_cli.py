@@ -23,7 +23,7 @@ def fit_recipe(name: str, tmp_path, *flags: str, steps: int = 2):
     assert out.returncode == 0, out.stderr[-3000:]
     [run_dir] = list((tmp_path / name).iterdir())
     df = pd.read_csv(run_dir / "metrics.csv")
-    assert sorted(df.dropna(subset=["reward"])["step"].unique()) == list(range(steps))  # (an evaluation logs at `steps`)
+    assert sorted(df.dropna(subset=["reward"])["step"].unique()) == list(range(steps))  # (evaluation: at `steps`)
     return out, run_dir, (run_dir / "config.yaml").read_text(), df
 
 
