@@ -281,11 +281,17 @@ def evaluate_main(argv: list[str]) -> None:
     import argparse
     import json
     import tempfile
+    import warnings
 
     from .callbacks.evaluate import Evaluate
     from .evaluation import per_prompt_rewards, report, summarize
     from .module import AsyncRLModule
 
+    if {"-h", "--help"} & set(argv):
+        print("usage: molt eval --config RECIPE.yaml [--ckpt CKPT] [--out FILE.json] [--model.policy FOLDER] "
+              "[--trainer.KEY VALUE] [--model.KEY VALUE]\n\n" + inspect.cleandoc(evaluate_main.__doc__ or "")
+              + "\n\n`molt fit --help` lists every recipe key.")
+        return
     p = argparse.ArgumentParser(prog="molt eval", add_help=False)
     p.add_argument("--ckpt", default=None, help="a checkpoint of molt fit to evaluate (exported first)")
     p.add_argument("--out", default=None, help="write the metrics and per-prompt rewards here (JSON)")
@@ -295,9 +301,11 @@ def evaluate_main(argv: list[str]) -> None:
             from .export import export
 
             rest = [*rest, "--model.policy", str(export(ours.ckpt, tmp, merge=True))]
-        cli = molt_cli()(AsyncRLModule, run=False, args=rest, parser_class=MoltParser,
-                        parser_kwargs={"prog": "molt eval"}, auto_configure_optimizers=False,
-                        save_config_callback=None)
+        with warnings.catch_warnings():  # "args and sys.argv both given": the eval's own flags are not LightningCLI's
+            warnings.simplefilter("ignore", UserWarning)
+            cli = molt_cli()(AsyncRLModule, run=False, args=rest, parser_class=MoltParser,
+                             parser_kwargs={"prog": "molt eval"}, auto_configure_optimizers=False,
+                             save_config_callback=None)
         found = [c for c in cli.trainer.callbacks if isinstance(c, Evaluate)]
         if not found:
             raise SystemExit("molt eval: the recipe has no molt_lightning.callbacks.Evaluate under trainer.callbacks: "
