@@ -103,8 +103,8 @@ def test_end_to_end_changes_parameters_and_logs_every_metric(engine, tmp_path, p
     # request completed (the engine counts the tokens of every completed request, trained or not)
     steps = df.dropna(subset=["perf/gen_tokens_per_s"])
     assert (steps["perf/gen_tokens_per_s"] >= 0).all()
-    counted = (steps["perf/gen_tokens_per_s"] * steps["perf/step_time_s"]).sum()
-    assert counted >= df["batch/policy_tokens"].dropna().sum() > 0
+    counted = (steps["perf/gen_tokens_per_s"] * steps["perf/step_time_s"]).sum()  # rate x time: float round-off
+    assert counted >= df["batch/policy_tokens"].dropna().sum() * (1 - 1e-6) > 0  # (seen: 406.99999 for 407 tokens)
     assert len(df["step"].dropna().unique()) == 3
     assert (tmp_path / "run" / "version_0" / "reward.png").exists()
 
