@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,9 +146,13 @@ def test_two_ranks_take_the_same_step_as_one_process(strategy, one_process_sgd, 
 
 
 def test_fsdp2_resumes_from_its_distributed_checkpoint(tmp_path):
+    """An FSDP2 run resumes from its distributed checkpoint at the saved step, version and prompt position; before
+    that, ``molt export`` makes one folder of the checkpoint, whose logprobs equal those the sharded trainer computed
+    at the end (every rank in the forward) within 1e-5, and ``molt eval`` evaluates that folder."""
     first = fit(tmp_path, "fsdp2", steps=4, name="first", max_lag=1, updates_per_batch=2)
     ckpt = tmp_path / "ckpt" / "last.ckpt"
     assert ckpt.is_dir()  # a distributed checkpoint: a folder of shards
+    exported_and_evaluated(tmp_path, ckpt, trainer_side=torch.load(first / "logprobs.pt"))
     seen_first = {s for r in records(first, 0, "step") + records(first, 1, "step") for s in r["samples"]}
     second = fit(tmp_path, "fsdp2", steps=8, name="second", ckpt=str(ckpt), max_lag=1, updates_per_batch=2)
     # max_steps counts optimizer steps: 2 batches x 2 updates per run; the resumed run trains versions 2 and 3
@@ -156,6 +161,27 @@ def test_fsdp2_resumes_from_its_distributed_checkpoint(tmp_path):
     assert seen_first and not seen_first & seen_second  # continues at the saved prompt position
     for r in records(second, 0, "step"):
         assert r["version"] - r["token_versions"][0] <= 1  # lag bound holds across the resume
+
+
+def exported_and_evaluated(tmp_path: Path, ckpt: Path, trainer_side) -> None:
+    from test_export import EVAL_RECIPE, logprobs
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT / 'tests' / 'helpers'}:{ROOT}"}
+    molt = [sys.executable, "-m", "molt_lightning.cli"]
+    done = subprocess.run([*molt, "export", str(ckpt), str(tmp_path / "hf")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert (logprobs(loaded, AutoTokenizer.from_pretrained(tmp_path / "hf")) - trainer_side).abs().max() < 1e-5
+    (tmp_path / "eval.yaml").write_text(EVAL_RECIPE)
+    done = subprocess.run([*molt, "eval", "--config", str(tmp_path / "eval.yaml"), "--model.policy",
+                           str(tmp_path / "hf"), "--out", str(tmp_path / "eval.json")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["metrics"]["heldout"]["prompts"] == 6 and len(result["per_prompt"]["heldout"]) == 6
+    assert "heldout: 6 prompts x 2: avg@2" in done.stdout
 
 
 @pytest.mark.slow

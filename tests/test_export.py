@@ -1,14 +1,14 @@
-"""``molt export``: a checkpoint of one process, of FSDP2 on 2 gloo ranks, of a LoRA run (adapter and merged) and of
-the tiny mixture-of-experts policy becomes a Hugging Face folder that ``transformers`` loads, whose logprobs on a batch
-equal the trainer's within 1e-5; ``molt eval`` evaluates such a folder; ``molt serve --policy OUT`` serves it and its
-greedy outputs equal transformers'."""
+"""``molt export``: a checkpoint of one process, of a LoRA run (adapter and merged) and of the tiny mixture-of-experts
+policy becomes a Hugging Face folder that ``transformers`` loads, whose logprobs on a batch equal the trainer's within
+1e-5; ``molt eval`` evaluates a checkpoint; ``molt serve --policy OUT`` serves an export and its greedy outputs equal
+transformers'. FSDP2's sharded checkpoint (and ``molt eval`` on its export, through the CLI) is exported in
+``test_distributed.py::test_fsdp2_resumes_from_its_distributed_checkpoint`` (its run is reused), the expert-parallel
+one in ``test_expert_parallel.py``."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -108,36 +108,6 @@ def test_a_checkpoint_of_another_policy_is_refused(tmp_path, policy_path):
         export(str(tmp_path / "other.ckpt"), str(tmp_path / "hf"))
     with pytest.raises(ValueError, match="no checkpoint at"):
         export(str(tmp_path / "nothing.ckpt"), str(tmp_path / "hf"))
-
-
-@pytest.mark.slow
-def test_fsdp2_checkpoint_round_trip_and_molt_eval(tmp_path, tokenizer):
-    """``molt fit`` under FSDP2 on 2 gloo ranks writes a sharded checkpoint; ``molt export`` makes one folder whose
-    logprobs equal those the sharded trainer computed at the end (``ExportProbe``, every rank in the forward);
-    ``molt eval`` then evaluates that folder with the recipe's evaluation."""
-    from test_distributed import fit
-    from transformers import AutoModelForCausalLM
-
-    fit(tmp_path, "fsdp2", steps=2, max_lag=0)
-    ckpt = tmp_path / "ckpt" / "last.ckpt"
-    assert ckpt.is_dir()  # shards
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT / 'tests' / 'helpers'}:{ROOT}"}
-    molt = [sys.executable, "-m", "molt_lightning.cli"]
-    done = subprocess.run([*molt, "export", str(ckpt), str(tmp_path / "hf")], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    trainer_side = torch.load(tmp_path / "probe-run" / "logprobs.pt")
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    assert (logprobs(loaded, tokenizer) - trainer_side).abs().max() < 1e-5
-    recipe = tmp_path / "eval.yaml"
-    recipe.write_text(EVAL_RECIPE)
-    done = subprocess.run([*molt, "eval", "--config", str(recipe), "--model.policy", str(tmp_path / "hf"),
-                           "--out", str(tmp_path / "eval.json")], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((tmp_path / "eval.json").read_text())
-    assert result["metrics"]["heldout"]["prompts"] == 6 and len(result["per_prompt"]["heldout"]) == 6
-    assert "heldout: 6 prompts x 2: avg@2" in done.stdout
 
 
 EVAL_RECIPE = """

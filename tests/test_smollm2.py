@@ -46,7 +46,8 @@ def test_smollm2_trains_on_policy_with_exact_sync(tmp_path):
 
 def test_the_chain_sum_recipe_runs_two_steps_with_its_held_out_evaluation(tmp_path):
     """``recipes/smollm2_chain_sum.yaml`` as it ships (vLLM, reasoning-gym data, the last-number verifier, Evaluate)
-    for 2 steps, its held-out set cut to 4 prompts x 2 runs: both rounds are logged and the run folder is complete."""
+    for 2 steps of 2 x 2 runs, its held-out set cut to 4 prompts x 2 runs: both rounds are logged and the run folder is
+    complete."""
     import json
     import os
     import subprocess
@@ -60,6 +61,7 @@ def test_the_chain_sum_recipe_runs_two_steps_with_its_held_out_evaluation(tmp_pa
     root = Path(__file__).resolve().parents[1]
     recipe = yaml.safe_load((root / "recipes" / "smollm2_chain_sum.yaml").read_text())
     recipe["trainer"].update(max_steps=2, enable_progress_bar=False)
+    recipe["model"]["rollout"].update(group_size=2, prompts_per_step=2)
     recipe["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path)
     for callback in recipe["trainer"]["callbacks"]:
         if callback["class_path"].endswith("Evaluate"):
