@@ -57,7 +57,7 @@ class Source:
     reasoning_gym: str | None = None  # a reasoning-gym task name (chain_sum, basic_arithmetic, ...)
     generator: str | None = None  # dotted path of fn(seed=, size=, **config) -> rows
     size: int = 1000  # rows a generator makes
-    seed: int = 0  # a generator's seed (a held-out set: another seed, and Evaluate drops the problems trained on)
+    seed: int = 0  # a generator's seed (a held-out set: a far seed; Evaluate keeps its problems out of training)
     config: dict = field(default_factory=dict)  # a generator's keyword arguments
     split: str | None = None  # the split of a DatasetDict folder
     prompt: str | None = None  # field with the prompt (text or chat messages); default "prompt" (generators: template)
