@@ -15,8 +15,10 @@ from .verifiers import DEFAULT_TIMEOUT_S, VerifierFailed, verify
 
 
 class Answer:
-    def __init__(self, max_tokens: int = 256, verifier_timeout_s: float = DEFAULT_TIMEOUT_S):
-        if max_tokens < 1 or verifier_timeout_s <= 0:
+    def __init__(self, max_tokens: int | None = None, verifier_timeout_s: float = DEFAULT_TIMEOUT_S):
+        """``max_tokens``: the reply's budget (None: the rest of the context, ``model.rollout.max_context`` or the
+        policy's)."""
+        if (max_tokens is not None and max_tokens < 1) or verifier_timeout_s <= 0:
             raise ValueError(f"Answer: max_tokens must be >= 1 and verifier_timeout_s > 0, got {max_tokens}, "
                              f"{verifier_timeout_s}")
         self.max_tokens, self.timeout_s = max_tokens, verifier_timeout_s
