@@ -101,6 +101,18 @@ class AgentClient:
             raise RuntimeError("no OpenAI-compatible endpoint serves this client (it needs a chat template)")
         return self.endpoint.openai(self.api_key)
 
+    @property
+    def anthropic_base_url(self) -> str | None:
+        """The same endpoint for the Anthropic SDK (``/v1/messages``; the SDK adds ``/v1``): ``anthropic.AsyncAnthropic(
+        base_url=client.anthropic_base_url, api_key=client.api_key)``."""
+        return None if self.endpoint is None else self.endpoint.root_url
+
+    def anthropic(self):
+        """A stock ``anthropic.AsyncAnthropic`` bound to this trajectory, sharing the run's connection pool."""
+        if self.endpoint is None:
+            raise RuntimeError("no endpoint serves this client (it needs a chat template)")
+        return self.endpoint.anthropic(self.api_key)
+
     async def generate(self, context_ids: list[int] | None = None, *, max_tokens: int | None,
                        images: ImageInputs | None = None) -> Generation:
         """Append ``context_ids`` (and the ``images`` its image tokens stand for), then sample up to ``max_tokens``

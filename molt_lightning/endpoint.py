@@ -1,7 +1,8 @@
-"""A loopback OpenAI-compatible endpoint in front of the engine, so agents written with the stock OpenAI client run
-unchanged and still train only on the engine's tokens.
+"""A loopback endpoint in front of the engine that speaks the OpenAI and the Anthropic wire, so agents written with
+either stock client (or any harness built on one) run unchanged and still train only on the engine's tokens.
 
-Each run serves ``POST /v1/chat/completions`` (and ``GET /v1/models``) on 127.0.0.1, on the engine's event loop,
+Each run serves ``POST /v1/chat/completions``, ``POST /v1/messages`` (Anthropic's Messages API, translated in
+``molt_lightning.anthropic_messages``) and ``GET /v1/models`` on 127.0.0.1, on the engine's event loop,
 where the agents run too. A request is tied to its trajectory by its API key: every agent run gets its own key
 (``client.api_key``) next to the shared ``client.base_url``, so an agent does
 ``openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key)`` and nothing else changes (``client.openai()``
@@ -16,7 +17,8 @@ and ``temperature``/``top_p`` only at the run's own values (the trainer recomput
 distribution, so another one would make its importance weights wrong). Everything else that changes sampling
 (``stop``, ``logit_bias``, ``response_format``, forced tool choice, ``n>1``, images) is refused with an OpenAI-style
 400 naming the parameter. Every refused request is also recorded in its trajectory (``info["endpoint_errors"]``) and
-counted in the step metrics (``agent/endpoint_error/<code>``).
+counted in the step metrics (``agent/endpoint_error/<code>``). Both wires share all of this (``_turn``); each only
+parses its request into chat messages and tools and shapes the reply and its errors.
 
 The HTTP layer is Starlette on uvicorn (both come with vLLM); request validation and the OpenAI response shapes are
 written here by hand: they are the part no library offers without pulling in a serving engine.
@@ -64,8 +66,9 @@ class Endpoint:
         self.clients: dict[str, AgentClient] = {}
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))  # loopback only
-        self.base_url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
-        self._server = self._task = self._openai = None
+        self.root_url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"  # ANTHROPIC_BASE_URL (the SDK adds /v1)
+        self.base_url = f"{self.root_url}/v1"  # OPENAI_BASE_URL
+        self._server = self._task = self._openai = self._anthropic = None
 
     def openai(self, api_key: str):
         """A stock ``openai.AsyncOpenAI`` for this endpoint with ``api_key``, sharing one HTTP connection pool: building
@@ -76,6 +79,14 @@ class Endpoint:
             self._openai = openai.AsyncOpenAI(base_url=self.base_url, api_key="unset", max_retries=0)
         return self._openai.with_options(api_key=api_key)
 
+    def anthropic(self, api_key: str):
+        """A stock ``anthropic.AsyncAnthropic`` for this endpoint with ``api_key``, sharing one connection pool."""
+        if self._anthropic is None:
+            import anthropic
+
+            self._anthropic = anthropic.AsyncAnthropic(base_url=self.root_url, api_key="unset", max_retries=0)
+        return self._anthropic.with_options(api_key=api_key)
+
     # ----- lifecycle (on the engine loop) -----
     async def start(self) -> None:
         import uvicorn
@@ -83,6 +94,7 @@ class Endpoint:
         from starlette.routing import Route
 
         app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                                Route("/v1/messages", self._messages, methods=["POST"]),
                                 Route("/v1/models", self._models, methods=["GET"])])
         config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=30)
         self._server = uvicorn.Server(config)
@@ -93,9 +105,10 @@ class Endpoint:
             await asyncio.sleep(0.005)
 
     async def stop(self) -> None:
-        if self._openai is not None:
-            await self._openai.close()
-            self._openai = None
+        for name in ("_openai", "_anthropic"):
+            if getattr(self, name) is not None:
+                await getattr(self, name).close()
+                setattr(self, name, None)
         if self._server is not None:
             self._server.should_exit = True
             await asyncio.wait_for(self._task, 10)
@@ -118,21 +131,38 @@ class Endpoint:
             {"id": name, "object": "model", "created": 0, "owned_by": "molt-lightning"} for name in self.model_names]})
 
     async def _chat(self, request):
-        from starlette.responses import JSONResponse, StreamingResponse
+        return await self._turn(request, _OPENAI)
+
+    async def _messages(self, request):
+        from . import anthropic_messages
+
+        return await self._turn(request, anthropic_messages.WIRE)
+
+    async def _turn(self, request, wire):
+        """One assistant turn for a request in ``wire``'s format (OpenAI chat completions or Anthropic messages): the
+        key names the trajectory; a refused or failed request is answered in the wire's error shape, recorded in the
+        trajectory and counted."""
+        from starlette.responses import JSONResponse
 
         client = None
         try:
-            key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            client = self.clients.get(key)
+            client = self.clients.get(wire.api_key(request))
             if client is None:
                 raise RequestError(401, "unknown API key: each agent run has its own key, client.api_key (pass it "
-                                        "as openai.AsyncOpenAI(api_key=client.api_key)); a finished run's key is "
-                                        "no longer valid", code="invalid_api_key", kind="authentication_error")
+                                        "as openai.AsyncOpenAI(api_key=client.api_key) or anthropic.AsyncAnthropic("
+                                        "api_key=client.api_key)); a finished run's key is no longer valid",
+                                   code="invalid_api_key", kind="authentication_error")
             try:
                 body = json.loads(await request.body())
             except ValueError as e:
                 raise RequestError(400, f"the request body is not JSON: {e}") from None
-            max_tokens, tools, messages, stream = self._validate(body, client)
+            if not isinstance(body, dict):
+                raise RequestError(400, "the request body must be a JSON object")
+            if body.get("model") not in self.model_names:
+                raise RequestError(404, f"the model {body.get('model')!r} does not exist: this run serves "
+                                        f"{self.model_names}", "model", "model_not_found")
+            check_sampling(body, client.temperature)
+            messages, tools, max_tokens = wire.parse(body, client)
             async with client.lock:
                 message, out = await client.chat_turn(messages, max_tokens=max_tokens, tools=tools)
         except Exception as e:  # refused, or ContextOverflow and friends (the client's own clear errors)
@@ -143,40 +173,44 @@ class Endpoint:
             if client is not None:  # recorded in the trajectory and counted
                 client.trajectory.info.setdefault("endpoint_errors", []).append(f"{err.status} {err.code}: {e}")
                 client.count(f"endpoint_error/{err.code or err.status}")
-            return JSONResponse(err.body(), status_code=err.status)
+            return JSONResponse(wire.error_body(err), status_code=err.status)
         if "unparsed" in message:
             client.trajectory.info.setdefault("unparsed_tool_calls", []).append(message["unparsed"])
             client.count("unparsed_tool_calls")
-        reply = _openai_message(message)
-        finish = "tool_calls" if reply.get("tool_calls") else out.finish_reason
-        created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:16]}"
-        prompt_tokens = len(client.tokens) - len(out.token_ids)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(out.token_ids),
-                 "total_tokens": prompt_tokens + len(out.token_ids)}
-        if stream:
-            return StreamingResponse(_chunks(cid, created, body["model"], reply, finish),
-                                     media_type="text/event-stream")
-        return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": body["model"],
-                             "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": None}],
-                             "usage": usage})
+        return wire.respond(body, message, out, prompt_tokens=len(client.tokens) - len(out.token_ids))
 
-    def _validate(self, body: Any, client: AgentClient) -> tuple[int | None, list | None, list[dict], bool]:
-        if not isinstance(body, dict):
-            raise RequestError(400, "the request body must be a JSON object")
-        if body.get("model") not in self.model_names:
-            raise RequestError(404, f"the model {body.get('model')!r} does not exist: this run serves "
-                                    f"{self.model_names}", "model", "model_not_found")
+
+def check_sampling(body: dict, temperature: float) -> None:
+    """Refuse a temperature or top_p other than the run's (both wires): the trainer computes logprobs under the run's
+    sampling distribution, so another one would make its importance weights wrong."""
+    for name, run_value in (("temperature", temperature), ("top_p", 1.0)):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, (int, float)) or abs(float(value) - run_value) > 1e-6):
+            raise RequestError(400, f"{name}={value} differs from the run's {run_value}: the trainer computes "
+                                    f"logprobs under the run's sampling distribution; omit {name}", name,
+                               "unsupported_value")
+
+
+def check_max_tokens(value: Any) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise RequestError(400, f"max_tokens must be a positive integer, got {value!r}", "max_tokens")
+    return value
+
+
+class _OpenAIWire:
+    """``POST /v1/chat/completions``: OpenAI's request, response, stream and error shapes."""
+
+    @staticmethod
+    def api_key(request) -> str:
+        return request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+
+    @staticmethod
+    def parse(body: dict, client: AgentClient) -> tuple[list[dict], list | None, int | None]:
         unknown = sorted(set(body) - _ALLOWED)
         if unknown:
             raise RequestError(400, f"unsupported parameter(s) {unknown}: the run trains on what the policy samples "
                                     "at its own settings, so parameters that change sampling are refused",
                                unknown[0], "unsupported_parameter")
-        for name, run_value in (("temperature", client.temperature), ("top_p", 1.0)):
-            value = body.get(name)
-            if value is not None and abs(float(value) - run_value) > 1e-6:
-                raise RequestError(400, f"{name}={value} differs from the run's {run_value}: the trainer computes "
-                                        f"logprobs under the run's sampling distribution; omit {name}", name,
-                                   "unsupported_value")
         for name in ("frequency_penalty", "presence_penalty"):
             if body.get(name):
                 raise RequestError(400, f"{name} changes sampling and is not supported; omit it", name,
@@ -184,14 +218,35 @@ class Endpoint:
         if body.get("n", 1) != 1:
             raise RequestError(400, "n must be 1: the run samples the group itself (model.group_size)", "n",
                                "unsupported_value")
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")  # None: the rest of the context
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            raise RequestError(400, f"max_tokens must be a positive integer, got {max_tokens!r}", "max_tokens")
+        max_tokens = check_max_tokens(body.get("max_completion_tokens") or body.get("max_tokens"))  # None: the rest
         tools = _tools(body.get("tools"), body.get("tool_choice"), client)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError(400, "messages must be a non-empty list", "messages")
-        return max_tokens, tools, [_hf_message(m, i) for i, m in enumerate(messages)], bool(body.get("stream"))
+        return [_hf_message(m, i) for i, m in enumerate(messages)], tools, max_tokens
+
+    @staticmethod
+    def error_body(err: RequestError) -> dict:
+        return err.body()
+
+    @staticmethod
+    def respond(body: dict, message: dict, out, prompt_tokens: int):
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        reply = _openai_message(message)
+        finish = "tool_calls" if reply.get("tool_calls") else out.finish_reason
+        created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:16]}"
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(out.token_ids),
+                 "total_tokens": prompt_tokens + len(out.token_ids)}
+        if body.get("stream"):
+            return StreamingResponse(_chunks(cid, created, body["model"], reply, finish),
+                                     media_type="text/event-stream")
+        return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": body["model"],
+                             "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": None}],
+                             "usage": usage})
+
+
+_OPENAI = _OpenAIWire()
 
 
 def _tools(tools: Any, choice: Any, client: AgentClient) -> list | None:

@@ -176,13 +176,16 @@ def tool_policy():
     return python_tool_policy()
 
 
-def _engine(kind):
-    if kind == "torch":
-        return TorchEngine(seed=0)
+@pytest.fixture(scope="module")
+def tool_vllm(tool_policy):
+    """One vLLM engine on the python-tool policy for this module's runs (start-up costs 25-60 s)."""
     pytest.importorskip("vllm")
     from molt_lightning.engines import VLLMEngine
 
-    return VLLMEngine(seed=0)
+    engine = VLLMEngine(seed=0)
+    engine.launch(tool_policy)
+    yield engine
+    engine.release()
 
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
@@ -190,13 +193,17 @@ needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
 
 
 @needs_bwrap
+@pytest.mark.parametrize("wire", ["openai", "anthropic"])
 @pytest.mark.parametrize("kind", ["torch", pytest.param("vllm", marks=pytest.mark.slow)])
-def test_openai_client_agent_trains_only_on_engine_tokens(kind, tool_policy, tmp_path, monkeypatch):
+def test_stock_client_agents_train_only_on_engine_tokens(kind, wire, tool_policy, tmp_path, monkeypatch, request):
+    """The python-tool agent written against the stock OpenAI client (chat completions) and the same agent written
+    against the stock Anthropic client (messages) train on both engines; every trained token is the engine's."""
     from transformers import AutoTokenizer
 
-    engine = _engine(kind)
+    engine = TorchEngine(seed=0) if kind == "torch" else request.getfixturevalue("tool_vllm")
+    agent = python_tool.openai_agent if wire == "openai" else python_tool.anthropic_agent
     records, batches = record_generations(engine, monkeypatch), Batches()
-    module = AsyncRLModule(python_tool.openai_agent, python_tool.tasks,
+    module = AsyncRLModule(agent, python_tool.tasks,
                            policy="molt_lightning.models.tiny.python_tool_policy", engine=engine, optim=Optim(lr=3e-4),
                            rollout=Rollout(group_size=8, prompts_per_step=4, max_lag=1, task_seed=1))
     trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=CSVLogger(tmp_path), log_every_n_steps=1,

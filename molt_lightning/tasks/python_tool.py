@@ -9,6 +9,8 @@ The tiny policy for it (``molt_lightning.models.tiny.python_tool_policy``) is wa
 dialogues: its chat template renders tool calls Hermes-style (``<tool_call>{"name": ..., "arguments": ...}
 </tool_call>``) and its tokenizer's ``response_template`` parses them back, so the endpoint needs nothing
 task-specific. Like the default policy it calls the tool in a small share of its answers at the start.
+
+``anthropic_agent`` is the same agent written against the stock Anthropic client (the endpoint's ``/v1/messages``).
 """
 
 from __future__ import annotations
@@ -123,6 +125,55 @@ def make_openai_agent(max_tokens: int, score=reward, suffix: str = "", max_turns
 
 
 openai_agent = make_openai_agent(MAX_TOKENS)  # the tiny policy's agent (recipes/python_tool.yaml)
+
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+
+
+def make_anthropic_agent(max_tokens: int, score=reward, max_turns: int = MAX_TURNS):
+    """The same agent written against the stock Anthropic client (``/v1/messages``: tool_use / tool_result blocks)."""
+
+    async def agent(client, sample: dict[str, Any]) -> float:
+        import anthropic
+
+        llm = client.anthropic()  # = anthropic.AsyncAnthropic(base_url=client.anthropic_base_url, api_key=...)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": sample["question"]}]
+        reply, outputs = None, []
+        for _ in range(max_turns):
+            try:
+                response = await llm.messages.create(model="policy", messages=messages, tools=ANTHROPIC_TOOLS,
+                                                     max_tokens=max_tokens)
+            except anthropic.BadRequestError as e:
+                if "prompt is too long" not in str(e):
+                    raise
+                break  # the conversation outgrew the context: the episode ends unanswered
+            messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                                              for b in response.content]})
+            reply = "".join(b.text for b in response.content if b.type == "text")
+            calls = [b for b in response.content if b.type == "tool_use"]
+            if response.stop_reason != "tool_use":
+                break
+            results = []
+            for call in calls:
+                code = call.input.get("code") if isinstance(call.input, dict) else None
+                if not isinstance(code, str):
+                    client.count("tool_error/bad_arguments")
+                    text = f"error: bad arguments {call.input!r}"
+                else:
+                    result = await sandbox().run(code)
+                    if not result.ok:
+                        client.count(f"tool_error/{re.match(r'[a-z]*', result.error).group(0) or 'other'}")
+                    text = tool_text(result)
+                results.append({"type": "tool_result", "tool_use_id": call.id, "content": text})
+                outputs.append(text)
+            messages.append({"role": "user", "content": results})
+            reply = None  # the episode must end with an answer, not a tool call
+        return score(reply, sample, outputs)
+
+    return agent
+
+
+anthropic_agent = make_anthropic_agent(MAX_TOKENS)  # recipes/python_tool.yaml with --model.agent ...anthropic_agent
 # recipes/smollm2_python_tool.yaml: one tool call, then the answer
 smollm2_agent = make_openai_agent(64, graded_reward, " Write one line of Python that prints it.", max_turns=2)
 
