@@ -187,7 +187,8 @@ class AgentClients:
     tokenizer has no chat template: token-level agents only) and the loopback OpenAI-compatible endpoint, which
     ``start`` opens on the engine's loop (the engine is launched by then) and ``stop`` closes."""
 
-    def __init__(self, engine: RolloutEngine, model_path: str, tokenizer, temperature: float, max_context: int):
+    def __init__(self, engine: RolloutEngine, model_path: str, tokenizer, temperature: float, max_context: int,
+                 host: str = "127.0.0.1", token: str | None = None):
         self.engine, self.temperature, self.max_context = engine, temperature, max_context
         self.template, self.endpoint = None, None
         if getattr(tokenizer, "chat_template", None):
@@ -197,7 +198,8 @@ class AgentClients:
                                  "images: use molt_lightning.engines.TorchEngine (vLLM's vision models need "
                                  "torchvision, which PyPI builds for CUDA only)")
             self.template = ChatTemplate(tokenizer, processor)
-            self.endpoint = Endpoint(["policy", os.path.basename(model_path.rstrip("/")), model_path], temperature)
+            self.endpoint = Endpoint(["policy", os.path.basename(model_path.rstrip("/")), model_path], temperature,
+                                     host, token)
 
     def start(self) -> None:
         if self.endpoint is not None:

@@ -27,6 +27,8 @@ class Rollout:
     max_failure_rate: float = 0.5  # stop the run when more than this share of recent agent runs failed (1: never)
     admit_ahead: bool = True  # while the trainer waits for a batch, start groups for later ones too
     switch_interval_ms: float | None = None  # Python's thread switch interval while agents run (None: its 5 ms)
+    endpoint_host: str = "127.0.0.1"  # where the agents' endpoint listens; anything but loopback needs a token
+    endpoint_token: str | None = None  # a secret every session key carries (harnesses in other namespaces/machines)
 
     def check(self) -> None:
         _at_least(self, "rollout", group_size=1, prompts_per_step=1, max_lag=0)
@@ -36,6 +38,9 @@ class Rollout:
         if self.temperature <= 0:
             raise ValueError("model.rollout.temperature must be > 0 for RL (greedy sampling has no logprobs to "
                              f"correct against), got {self.temperature}")
+        from .endpoint import check_host
+
+        check_host(self.endpoint_host, self.endpoint_token)
         if self.switch_interval_ms is not None and self.switch_interval_ms <= 0:
             raise ValueError(f"model.rollout.switch_interval_ms must be > 0 (or null: Python's own), got "
                              f"{self.switch_interval_ms}")

@@ -46,6 +46,21 @@ _ALLOWED = {"model", "messages", "tools", "tool_choice", "max_tokens", "max_comp
             "logprobs", "frequency_penalty", "presence_penalty"}
 
 
+def check_host(host: str, token: str | None) -> None:
+    """The endpoint stays on loopback unless a token guards it."""
+    import ipaddress
+
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        raise ValueError(f"endpoint host {host!r} is not an IP address (e.g. 127.0.0.1, or an interface's "
+                         "address for harnesses in other namespaces)") from None
+    if not loopback and not token:
+        raise ValueError(f"binding the endpoint to {host} exposes the policy beyond this machine's loopback: set "
+                         "model.rollout.endpoint_token to a secret too (every session key then carries it), or "
+                         "keep endpoint_host at 127.0.0.1")
+
+
 class RequestError(Exception):
     """A request the endpoint refuses, with the OpenAI error fields."""
 
@@ -61,12 +76,16 @@ class RequestError(Exception):
 class Endpoint:
     """Serves the engine to the agents of one rollout source, on that source's event loop."""
 
-    def __init__(self, model_names: list[str], temperature: float):
-        self.model_names, self.temperature = model_names, temperature
+    def __init__(self, model_names: list[str], temperature: float, host: str = "127.0.0.1", token: str | None = None):
+        """``host``: the address to listen on, loopback unless a ``token`` is given too (every session key then
+        starts with it, so nobody who can reach the port can guess a session)."""
+        check_host(host, token)
+        self.model_names, self.temperature, self.token = model_names, temperature, token
         self.clients: dict[str, AgentClient] = {}
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))  # loopback only
-        self.root_url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"  # ANTHROPIC_BASE_URL (the SDK adds /v1)
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind((host, 0))
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else f"[{host}]" if ":" in host else host
+        self.root_url = f"http://{shown}:{self.sock.getsockname()[1]}"  # ANTHROPIC_BASE_URL (the SDK adds /v1)
         self.base_url = f"{self.root_url}/v1"  # OPENAI_BASE_URL
         self._server = self._task = self._openai = self._anthropic = None
 
@@ -117,7 +136,8 @@ class Endpoint:
 
     def register(self, client: AgentClient, label: str) -> None:
         """Give ``client`` its own API key (the trajectory's handle) and the endpoint's URL."""
-        client.api_key, client.endpoint = f"molt-{label}-{secrets.token_hex(6)}", self
+        prefix = f"{self.token}-" if self.token else ""
+        client.api_key, client.endpoint = f"{prefix}molt-{label}-{secrets.token_hex(6)}", self
         self.clients[client.api_key] = client
 
     def unregister(self, client: AgentClient) -> None:

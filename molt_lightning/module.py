@@ -157,7 +157,8 @@ class AsyncRLModule(L.LightningModule):
         if not self._started and self.global_rank == 0:
             text = self.policy.lm.config.get_text_config()  # a VLM's language model sets the context length
             self.clients = AgentClients(self.engine, self.policy_path, self.tokenizer, self.rollout.temperature,
-                                        self.rollout.max_context or text.max_position_embeddings)
+                                        self.rollout.max_context or text.max_position_embeddings,
+                                        self.rollout.endpoint_host, self.rollout.endpoint_token)
             self.engine.launch(self.policy_path, lora_.adapter_of(self.policy.lm))
             self._started = True
             check_vocab(self.policy.lm.config, self.tokenizer, self.engine)
