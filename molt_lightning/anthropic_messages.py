@@ -33,7 +33,7 @@ import json
 import uuid
 from typing import Any
 
-from .endpoint import RequestError, _tools, check_max_tokens
+from .wire import RequestError, check_max_tokens, check_tools
 
 _ALLOWED = {"model", "messages", "system", "max_tokens", "tools", "tool_choice", "temperature", "top_p", "top_k",
             "stop_sequences", "stream", "thinking", "output_config",
@@ -149,7 +149,7 @@ class _AnthropicWire:
         if kind not in (None, "auto", "none"):
             raise _refuse(f"tool_choice {kind!r} is not supported (forcing a tool needs constrained decoding); use "
                           "auto or none", "tool_choice")
-        tools = _tools(_function_tools(body.get("tools")), kind, client)
+        tools = check_tools(_function_tools(body.get("tools")), kind, client)
         return _conversation(body), tools, check_max_tokens(body.get("max_tokens"))
 
     @staticmethod

@@ -36,6 +36,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from .trajectory import ContextOverflow
+from .wire import RequestError, check_max_tokens, check_sampling, check_tools
 
 if TYPE_CHECKING:
     from .client import AgentClient
@@ -59,18 +60,6 @@ def check_host(host: str, token: str | None) -> None:
         raise ValueError(f"binding the endpoint to {host} exposes the policy beyond this machine's loopback: set "
                          "model.rollout.endpoint_token to a secret too (every session key then carries it), or "
                          "keep endpoint_host at 127.0.0.1")
-
-
-class RequestError(Exception):
-    """A request the endpoint refuses, with the OpenAI error fields."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 class Endpoint:
@@ -200,23 +189,6 @@ class Endpoint:
         return wire.respond(body, message, out, prompt_tokens=len(client.tokens) - len(out.token_ids))
 
 
-def check_sampling(body: dict, temperature: float) -> None:
-    """Refuse a temperature or top_p other than the run's (both wires): the trainer computes logprobs under the run's
-    sampling distribution, so another one would make its importance weights wrong."""
-    for name, run_value in (("temperature", temperature), ("top_p", 1.0)):
-        value = body.get(name)
-        if value is not None and (not isinstance(value, (int, float)) or abs(float(value) - run_value) > 1e-6):
-            raise RequestError(400, f"{name}={value} differs from the run's {run_value}: the trainer computes "
-                                    f"logprobs under the run's sampling distribution; omit {name}", name,
-                               "unsupported_value")
-
-
-def check_max_tokens(value: Any) -> int | None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise RequestError(400, f"max_tokens must be a positive integer, got {value!r}", "max_tokens")
-    return value
-
-
 class _OpenAIWire:
     """``POST /v1/chat/completions``: OpenAI's request, response, stream and error shapes."""
 
@@ -239,7 +211,7 @@ class _OpenAIWire:
             raise RequestError(400, "n must be 1: the run samples the group itself (model.group_size)", "n",
                                "unsupported_value")
         max_tokens = check_max_tokens(body.get("max_completion_tokens") or body.get("max_tokens"))  # None: the rest
-        tools = _tools(body.get("tools"), body.get("tool_choice"), client)
+        tools = check_tools(body.get("tools"), body.get("tool_choice"), client)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError(400, "messages must be a non-empty list", "messages")
@@ -267,30 +239,6 @@ class _OpenAIWire:
 
 
 _OPENAI = _OpenAIWire()
-
-
-def _tools(tools: Any, choice: Any, client: AgentClient) -> list | None:
-    if choice not in (None, "auto", "none"):
-        raise RequestError(400, f"tool_choice={choice!r} is not supported (it needs constrained decoding); use "
-                                "'auto' or 'none'", "tool_choice", "unsupported_value")
-    if tools is None or choice == "none":
-        return None
-    if not isinstance(tools, list):
-        raise RequestError(400, "tools must be a list of {'type': 'function', 'function': {...}}", "tools")
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if (not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict)
-                or not isinstance(fn.get("name"), str) or not fn["name"]
-                or not isinstance(fn.get("parameters", {}), dict)):
-            raise RequestError(400, f"tools[{i}] is malformed: expected {{'type': 'function', 'function': "
-                                    "{'name': str, 'description': str, 'parameters': JSON schema object}}",
-                               f"tools[{i}]", "invalid_tool_schema")
-    if tools and not client.template.handles_tools:
-        raise RequestError(400, "this policy cannot take tools: its chat template does not render `tools` or its "
-                                "tokenizer has no `response_template` to parse tool calls (transformers' "
-                                "parse_response); add both to its tokenizer_config.json", "tools",
-                           "tools_not_supported")
-    return tools or None
 
 
 def _hf_message(m: Any, i: int) -> dict:
