@@ -71,7 +71,10 @@ class Endpoint:
         check_host(host, token)
         self.model_names, self.temperature, self.token = model_names, temperature, token
         self.clients: dict[str, AgentClient] = {}
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only then; without it the reply's body waits ~40 ms for the
+        # client's delayed ACK on every request after a connection's first (uvicorn writes headers and body apart)
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                                  socket.IPPROTO_TCP)
         self.sock.bind((host, 0))
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else f"[{host}]" if ":" in host else host
         self.root_url = f"http://{shown}:{self.sock.getsockname()[1]}"  # ANTHROPIC_BASE_URL (the SDK adds /v1)
