@@ -135,8 +135,12 @@ class ChatTemplate:
             parsed = self.tokenizer.parse_response(text, prefix=self.generation_prompt, tools=tools)
         except (ValueError, TypeError, KeyError) as e:
             return {"role": "assistant", "content": text, "unparsed": f"{type(e).__name__}: {str(e)[:200]}"}
-        message = {"role": "assistant", "content": parsed.get("content") or ""}
         calls = [c for c in parsed.get("tool_calls") or [] if isinstance(c, dict)]
+        if any(not isinstance(c.get("function"), dict) or not isinstance(c["function"].get("arguments", {}), dict)
+               for c in calls):  # e.g. <tool_call>5</tool_call>, or arguments 5: both wires promise an object
+            return {"role": "assistant", "content": text, "unparsed": "a tool call or its arguments is not a JSON "
+                                                                      "object"}
+        message = {"role": "assistant", "content": parsed.get("content") or ""}
         if calls:
             message["tool_calls"] = [
                 {"type": "function", "function": {"name": str(c.get("function", {}).get("name", "")),

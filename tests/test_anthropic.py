@@ -203,3 +203,14 @@ def test_fields_that_change_nothing_sampled_are_accepted(tool_tokenizer):
 
     reply, client = serve(tool_tokenizer, ["408"], scenario)
     assert reply.content[0].text == "408" and "endpoint_errors" not in client.trajectory.info
+
+
+@pytest.mark.parametrize("reply", ['<tool_call>5</tool_call>',
+                                   '<tool_call>{"name": "python", "arguments": 5}</tool_call>'])
+def test_a_tool_call_that_is_no_json_object_comes_back_as_text(tool_tokenizer, reply):
+    async def scenario(llm, client):
+        return await llm.messages.create(model="policy", messages=QUESTION, tools=TOOLS, max_tokens=48)
+
+    message, client = serve(tool_tokenizer, [reply], scenario)
+    assert [b.type for b in message.content] == ["text"] and message.content[0].text == reply
+    assert message.stop_reason == "end_turn" and "not a JSON object" in client.trajectory.info["unparsed_tool_calls"][0]
