@@ -1,7 +1,8 @@
 """A harness (standard library only) that goes wrong on purpose (tests/test_harness.py): ``hang`` (calls the endpoint,
-starts a grandchild that writes its pid to the file named by argv[2], then both wait forever), ``crash`` (exit 3 after a request),
-``garbage`` (a request, then no reward), ``silent`` (a reward without ever calling the endpoint); ``ok`` answers and
-reports reward 1. ``by-n`` picks one of them from the sample's ``n`` (n % 8: hang, crash, garbage, silent, ok x4)."""
+starts a grandchild that writes its pid to the file named by argv[2], then both wait forever), ``crash`` (exit 3
+after a request), ``garbage`` (a request, then no reward), ``silent`` (a reward without ever calling the endpoint);
+``ok`` answers and reports reward 1. ``by-n`` picks one of them from the sample's ``n`` (n % 8: hang, crash,
+garbage, silent, ok x4)."""
 
 import json
 import os
