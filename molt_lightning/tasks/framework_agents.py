@@ -16,7 +16,8 @@ pinned off too, whatever the environment says), retries (LangChain's client retr
 ``max_retries=0``, as ``client.openai()`` has), a call of an unknown tool (the Agents SDK raises; the episode ends
 unanswered) and the ``max_turns`` limit (the Agents SDK raises ``MaxTurnsExceeded``: unanswered), tool errors (the
 Agents SDK hides them from the model unless given a ``failure_error_function``) and tool-call arguments that are JSON
-but not an object (LangChain's ``AIMessage`` refuses them: unanswered).
+but not an object (LangChain's ``AIMessage`` refuses them: unanswered; the endpoint itself now returns such a call
+as text, so this guard is for other servers).
 
     molt fit --config recipes/python_tool.yaml --model.agent molt_lightning.tasks.framework_agents.agents_sdk_agent
 """
