@@ -6,7 +6,6 @@ training goes on; OpenEnv's HTTP server on 127.0.0.1; a recipe through the CLI."
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import random
@@ -18,26 +17,23 @@ import threading
 import time
 from pathlib import Path
 
-import lightning as L
 import pytest
 
 vf = pytest.importorskip("verifiers.v1")
 pytest.importorskip("openenv.core")
 
-from molt_lightning import AsyncRLModule, Optim, Rollout  # noqa: E402
+from molt_lightning import Rollout  # noqa: E402
 from molt_lightning.adapters import OpenEnvAgent, VerifiersAgent, VerifiersTasks, seeds  # noqa: E402
 from molt_lightning.adapters.verifiers_env import load_env_config  # noqa: E402
 from molt_lightning.chat import ChatTemplate  # noqa: E402
-from molt_lightning.client import AgentClient  # noqa: E402
-from molt_lightning.endpoint import Endpoint  # noqa: E402
 from molt_lightning.engines import TorchEngine  # noqa: E402
 from molt_lightning.tasks import openenv_envs, verifiers_envs  # noqa: E402
 from molt_lightning.tasks.arithmetic import make_problem  # noqa: E402
-from molt_lightning.trajectory import Status, Trajectory  # noqa: E402
+from molt_lightning.trajectory import Status  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
-from invariant import Batches, check_trained_tokens, record_generations  # noqa: E402
-from scripted import ScriptedEngine  # noqa: E402
+from invariant import check_trained_tokens, fit_recorded  # noqa: E402
+from scripted import run_at_endpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SINGLE = "molt_lightning.tasks.verifiers_envs:ArithmeticTaskset"
@@ -64,21 +60,7 @@ def template(tool_policy):
 
 def call(template, agent, sample, replies):
     """Run ``agent`` once against an endpoint in front of a scripted engine; returns (result or error, client)."""
-    engine = ScriptedEngine([template.encode(r) + [template.eos_id] for r in replies])
-
-    async def main():
-        endpoint = Endpoint(["policy"], temperature=1.0)
-        await endpoint.start()
-        client = AgentClient(engine, Trajectory(0, 0), template, 1.0, 256)
-        endpoint.register(client, "0-0")
-        try:
-            return await agent(client, sample), client
-        except Exception as e:  # noqa: BLE001 - the test looks at it
-            return e, client
-        finally:
-            await endpoint.stop()
-
-    return asyncio.run(main())
+    return run_at_endpoint(template, replies, lambda client: agent(client, sample), catch=True)
 
 
 def tool_call(code: str) -> str:
@@ -86,15 +68,10 @@ def tool_call(code: str) -> str:
 
 
 def train(agent, tasks, monkeypatch, group_size=8, prompts_per_step=2, steps=2, max_failure_rate=0.5):
-    engine = TorchEngine(seed=0)
-    records, batches = record_generations(engine, monkeypatch), Batches()
     rollout = Rollout(group_size=group_size, prompts_per_step=prompts_per_step, max_lag=1, task_seed=1,
                       max_failure_rate=max_failure_rate)
-    module = AsyncRLModule(agent, tasks, policy="molt_lightning.models.tiny.python_tool_policy", engine=engine,
-                           optim=Optim(lr=3e-4), rollout=rollout)
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        callbacks=[batches], enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module)
+    module, _, records, batches = fit_recorded(agent, tasks, monkeypatch, engine=TorchEngine(seed=0), steps=steps,
+                                               rollout=rollout)
     return module, records, batches
 
 

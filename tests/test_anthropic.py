@@ -16,7 +16,7 @@ from molt_lightning.tasks import python_tool
 from molt_lightning.trajectory import Kind, Trajectory
 
 anthropic = pytest.importorskip("anthropic")
-from scripted import ScriptedEngine  # noqa: E402
+from scripted import ScriptedEngine, run_at_endpoint  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is 12*34?"}]
 CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(12*34)"}}</tool_call>'
@@ -32,22 +32,12 @@ def tool_tokenizer():
 
 def serve(tokenizer, replies, scenario, max_context=256):
     """Run ``scenario(llm, client)`` with a stock AsyncAnthropic against an endpoint in front of a scripted engine."""
-    template = ChatTemplate(tokenizer)
-    engine = ScriptedEngine([template.encode(r) + [template.eos_id] for r in replies], version=3)
+    async def run(client):
+        async with anthropic.AsyncAnthropic(base_url=client.anthropic_base_url, api_key=client.api_key,
+                                            max_retries=0) as llm:
+            return await scenario(llm, client)
 
-    async def main():
-        endpoint = Endpoint(["policy"], temperature=1.0)
-        await endpoint.start()
-        client = AgentClient(engine, Trajectory(0, 0), template, 1.0, max_context)
-        endpoint.register(client, "0-0")
-        llm = anthropic.AsyncAnthropic(base_url=client.anthropic_base_url, api_key=client.api_key, max_retries=0)
-        try:
-            return await scenario(llm, client), client
-        finally:
-            await llm.close()
-            await endpoint.stop()
-
-    return asyncio.run(main())
+    return run_at_endpoint(ChatTemplate(tokenizer), replies, run, max_context=max_context, version=3)
 
 
 def test_tool_use_turns_record_exactly_the_engine_tokens(tool_tokenizer):

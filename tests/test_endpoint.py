@@ -4,28 +4,24 @@ is pinned token by token); the end-to-end tests run the python-tool recipe's age
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import sys
 from pathlib import Path
 
-import lightning as L
 import openai
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from molt_lightning.chat import ChatTemplate
-from molt_lightning.client import AgentClient
-from molt_lightning.endpoint import Endpoint
 from molt_lightning.engines import TorchEngine
-from molt_lightning import AsyncRLModule, Optim, Rollout
+from molt_lightning import Rollout
 from molt_lightning.tasks import python_tool
-from molt_lightning.trajectory import Kind, Trajectory
+from molt_lightning.trajectory import Kind
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
-from invariant import Batches, check_trained_tokens, record_generations  # noqa: E402
-from scripted import ScriptedEngine  # noqa: E402
+from invariant import check_trained_tokens, fit_recorded  # noqa: E402
+from scripted import run_at_endpoint  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is 12*34?"}]
 
@@ -40,22 +36,11 @@ def tool_tokenizer():
 
 def serve(tokenizer, replies, scenario, max_context=256):
     """Run ``scenario(llm, client)`` against an endpoint in front of a scripted engine; returns (result, client)."""
-    template = ChatTemplate(tokenizer)
-    engine = ScriptedEngine([template.encode(r) + [template.eos_id] for r in replies], version=3)
+    async def run(client):
+        async with openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, max_retries=0) as llm:
+            return await scenario(llm, client)
 
-    async def main():
-        endpoint = Endpoint(["policy"], temperature=1.0)
-        await endpoint.start()
-        client = AgentClient(engine, Trajectory(0, 0), template, 1.0, max_context)
-        endpoint.register(client, "0-0")
-        llm = openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key, max_retries=0)
-        try:
-            return await scenario(llm, client), client
-        finally:
-            await llm.close()
-            await endpoint.stop()
-
-    return asyncio.run(main())
+    return run_at_endpoint(ChatTemplate(tokenizer), replies, run, max_context=max_context, version=3)
 
 
 CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(12*34)"}}</tool_call>'
@@ -202,14 +187,9 @@ def test_stock_client_agents_train_only_on_engine_tokens(kind, wire, tool_policy
 
     engine = TorchEngine(seed=0) if kind == "torch" else request.getfixturevalue("tool_vllm")
     agent = python_tool.openai_agent if wire == "openai" else python_tool.anthropic_agent
-    records, batches = record_generations(engine, monkeypatch), Batches()
-    module = AsyncRLModule(agent, python_tool.tasks,
-                           policy="molt_lightning.models.tiny.python_tool_policy", engine=engine, optim=Optim(lr=3e-4),
-                           rollout=Rollout(group_size=8, prompts_per_step=4, max_lag=1, task_seed=1))
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=CSVLogger(tmp_path), log_every_n_steps=1,
-                        enable_checkpointing=False, callbacks=[batches], enable_progress_bar=False,
-                        enable_model_summary=False)
-    trainer.fit(module)
+    module, _, records, batches = fit_recorded(
+        agent, python_tool.tasks, monkeypatch, engine=engine, steps=3, logger=CSVLogger(tmp_path),
+        rollout=Rollout(group_size=8, prompts_per_step=4, max_lag=1, task_seed=1))
     tokenizer = AutoTokenizer.from_pretrained(tool_policy)
     tool_turns = check_trained_tokens(records, batches, tokenizer)
     assert tool_turns > 0, "no trained trajectory called the python tool"

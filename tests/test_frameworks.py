@@ -5,22 +5,17 @@ the tiny python-tool policy, what is trained on is exactly the engine's tokens (
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 
-import lightning as L
 import pytest
-from invariant import Batches, check_trained_tokens, record_generations
+from invariant import check_trained_tokens, fit_recorded
 from lightning.pytorch.loggers import CSVLogger
-from scripted import ScriptedEngine
+from scripted import run_at_endpoint
 
-from molt_lightning import AsyncRLModule, Optim, Rollout
+from molt_lightning import Rollout
 from molt_lightning.chat import ChatTemplate
-from molt_lightning.client import AgentClient
-from molt_lightning.endpoint import Endpoint
 from molt_lightning.engines import TorchEngine
 from molt_lightning.tasks import framework_agents, python_tool
-from molt_lightning.trajectory import Trajectory
 
 FRAMEWORKS = {"agents_sdk_agent": "agents", "langchain_agent": "langchain_openai"}  # agent: the package it needs
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
@@ -44,22 +39,10 @@ def tool_tokenizer():
 def episode(agent, tokenizer, replies):
     """One run of ``agent`` on SAMPLE against an endpoint whose engine answers ``replies`` in turn: (reward, the
     trajectory's spans as (kind, token ids), its info, the counted events)."""
-    template = ChatTemplate(tokenizer)
-    engine = ScriptedEngine([template.encode(r) + [template.eos_id] for r in replies])
     counts = {}
-
-    async def main():
-        endpoint = Endpoint(["policy"], temperature=1.0)
-        await endpoint.start()
-        client = AgentClient(engine, Trajectory(0, 0), template, 1.0, 256,
-                             counter=lambda name, n: counts.__setitem__(name, counts.get(name, 0) + n))
-        endpoint.register(client, "0-0")
-        try:
-            return await agent(client, dict(SAMPLE)), client.trajectory
-        finally:
-            await endpoint.stop()
-
-    reward, trajectory = asyncio.run(main())
+    reward, client = run_at_endpoint(ChatTemplate(tokenizer), replies, lambda client: agent(client, dict(SAMPLE)),
+                                     counter=lambda name, n: counts.__setitem__(name, counts.get(name, 0) + n))
+    trajectory = client.trajectory
     spans = [(s.kind, s.token_ids) for segment in trajectory.segments for s in segment]
     return reward, spans, trajectory.info, counts
 
@@ -124,15 +107,9 @@ def test_a_framework_agent_trains_only_on_engine_tokens(name, tool_policy, tmp_p
             def force_flush(self): ...
 
         add_trace_processor(Recorder())
-    engine = TorchEngine(seed=0)
-    records, batches = record_generations(engine, monkeypatch), Batches()
-    module = AsyncRLModule(agent, python_tool.tasks, policy="molt_lightning.models.tiny.python_tool_policy",
-                           engine=engine, optim=Optim(lr=3e-4),
-                           rollout=Rollout(group_size=8, prompts_per_step=4, max_lag=1, task_seed=1))
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=CSVLogger(tmp_path), log_every_n_steps=1,
-                        enable_checkpointing=False, callbacks=[batches], enable_progress_bar=False,
-                        enable_model_summary=False)
-    trainer.fit(module)
+    module, _, records, batches = fit_recorded(
+        agent, python_tool.tasks, monkeypatch, engine=TorchEngine(seed=0), steps=3, logger=CSVLogger(tmp_path),
+        rollout=Rollout(group_size=8, prompts_per_step=4, max_lag=1, task_seed=1))
     tool_turns = check_trained_tokens(records, batches, AutoTokenizer.from_pretrained(tool_policy))
     assert tool_turns > 0, "no trained trajectory called the python tool"
     assert len(batches.seen) == 3

@@ -14,11 +14,10 @@ import shutil
 import sys
 from pathlib import Path
 
-import lightning as L
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
-from molt_lightning import AsyncRLModule, Optim, Rollout
+from molt_lightning import Rollout
 from molt_lightning.chat import ChatTemplate
 from molt_lightning.client import AgentClient
 from molt_lightning.endpoint import Endpoint
@@ -27,8 +26,8 @@ from molt_lightning.harness import Harness, HarnessFailed
 from molt_lightning.tasks import python_tool
 from molt_lightning.trajectory import Trajectory
 
-from invariant import Batches, check_trained_tokens, record_generations  # noqa: E402
-from scripted import ScriptedEngine  # noqa: E402
+from invariant import check_trained_tokens, fit_recorded  # noqa: E402
+from scripted import ScriptedEngine, run_at_endpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "harness_agent.py")
@@ -49,24 +48,10 @@ def tool_tokenizer():
 def run_harness(tokenizer, harness: Harness, replies, sample=SAMPLE):
     """Run ``harness`` once against an endpoint in front of a scripted engine: (result or exception, client,
     counts)."""
-    template, counts = ChatTemplate(tokenizer), {}
-    engine = ScriptedEngine(itertools.chain([template.encode(r) + [template.eos_id] for r in replies],
-                                            itertools.repeat(template.encode("0") + [template.eos_id])))
-
-    async def main():
-        endpoint = Endpoint(["policy"], temperature=1.0)
-        await endpoint.start()
-        client = AgentClient(engine, Trajectory(0, 0), template, 1.0, 256,
-                             counter=lambda name, n=1: counts.__setitem__(name, counts.get(name, 0) + n))
-        endpoint.register(client, "0-0")
-        try:
-            return await harness(client, sample), client
-        except Exception as e:
-            return e, client
-        finally:
-            await endpoint.stop()
-
-    result, client = asyncio.run(main())
+    counts = {}
+    result, client = run_at_endpoint(ChatTemplate(tokenizer), itertools.chain(replies, itertools.repeat("0")),
+                                     lambda client: harness(client, sample), catch=True,
+                                     counter=lambda name, n=1: counts.__setitem__(name, counts.get(name, 0) + n))
     return result, client, counts
 
 
@@ -184,17 +169,10 @@ def test_failing_harnesses_are_counted_and_never_trained_on_while_the_run_goes_o
     import psutil
     from transformers import AutoTokenizer
 
-    engine = TorchEngine(seed=0)
-    records, batches = record_generations(engine, monkeypatch), Batches()
     harness = Harness([sys.executable, BAD, "by-n"], timeout_s=10)
-    module = AsyncRLModule(harness, numbered_tasks, policy="molt_lightning.models.tiny.python_tool_policy",
-                           engine=engine, optim=Optim(lr=3e-4),
-                           rollout=Rollout(group_size=2, prompts_per_step=2, max_lag=1, task_seed=1,
-                                           max_failure_rate=1.0))
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=CSVLogger(tmp_path), log_every_n_steps=1,
-                        enable_checkpointing=False, callbacks=[batches], enable_progress_bar=False,
-                        enable_model_summary=False)
-    trainer.fit(module)
+    module, trainer, records, batches = fit_recorded(
+        harness, numbered_tasks, monkeypatch, engine=TorchEngine(seed=0), steps=3, logger=CSVLogger(tmp_path),
+        rollout=Rollout(group_size=2, prompts_per_step=2, max_lag=1, task_seed=1, max_failure_rate=1.0))
     assert trainer.global_step == 3
     counts = module.source.counts
     kinds = {k: v for k, v in counts.agent.items() if k.startswith("harness/")}
@@ -213,16 +191,10 @@ def test_failing_harnesses_are_counted_and_never_trained_on_while_the_run_goes_o
 def test_a_harness_program_trains_with_the_invariant_checked(wire, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    engine = TorchEngine(seed=0)
-    records, batches = record_generations(engine, monkeypatch), Batches()
     harness = Harness([sys.executable, EXAMPLE, "--wire", wire], timeout_s=120)
-    module = AsyncRLModule(harness, python_tool.tasks, policy="molt_lightning.models.tiny.python_tool_policy",
-                           engine=engine, optim=Optim(lr=3e-4),
-                           rollout=Rollout(group_size=4, prompts_per_step=2, max_lag=1, task_seed=1))
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=CSVLogger(tmp_path), log_every_n_steps=1,
-                        enable_checkpointing=False, callbacks=[batches], enable_progress_bar=False,
-                        enable_model_summary=False)
-    trainer.fit(module)
+    module, _, records, batches = fit_recorded(
+        harness, python_tool.tasks, monkeypatch, engine=TorchEngine(seed=0), steps=2, logger=CSVLogger(tmp_path),
+        rollout=Rollout(group_size=4, prompts_per_step=2, max_lag=1, task_seed=1))
     check_trained_tokens(records, batches, AutoTokenizer.from_pretrained(module.policy_path))
     trained = [t for _, b in batches.seen for t in b.trajectories]
     assert len(trained) == 2 * 2 * 4 and module.source.counts.failed == 0

@@ -68,3 +68,18 @@ def check_trained_tokens(records, batches: Batches, tokenizer, max_lag: int = 1,
             trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
             assert "<|im_start|>" not in trained  # template and tool tokens are never trained on
     return tool_turns
+
+
+def fit_recorded(agent, tasks, monkeypatch, *, engine, rollout, steps: int, logger=False,
+                 policy: str = "molt_lightning.models.tiny.python_tool_policy"):
+    """Train ``agent`` on ``policy`` for ``steps`` with every engine generation recorded and every trained batch kept,
+    for ``check_trained_tokens``: returns (module, trainer, records, batches)."""
+    from molt_lightning import AsyncRLModule, Optim
+
+    records, batches = record_generations(engine, monkeypatch), Batches()
+    module = AsyncRLModule(agent, tasks, policy=policy, engine=engine, optim=Optim(lr=3e-4), rollout=rollout)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=logger, log_every_n_steps=1,
+                        enable_checkpointing=False, callbacks=[batches], enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(module)
+    return module, trainer, records, batches

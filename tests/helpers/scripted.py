@@ -25,3 +25,33 @@ class ScriptedEngine(RolloutEngine):
         self.prompts.append(prompt_ids)
         ids = list(next(self.replies))
         return Generation(ids, [-0.5] * len(ids), [self.reply_version] * len(ids), "stop")
+
+
+def run_at_endpoint(template, replies, run, *, counter=None, max_context: int = 256, version: int = 0,
+                    catch: bool = False):
+    """Await ``run(client)`` with an ``AgentClient`` registered at a live loopback ``Endpoint`` in front of a
+    ``ScriptedEngine`` that answers ``replies`` (texts, each ended with the end-of-turn token; any iterable) in turn.
+    Returns (what ``run`` returned, or with ``catch`` the exception it raised, the client)."""
+    import asyncio
+
+    from molt_lightning.client import AgentClient
+    from molt_lightning.endpoint import Endpoint
+    from molt_lightning.trajectory import Trajectory
+
+    engine = ScriptedEngine((template.encode(r) + [template.eos_id] for r in replies), version=version)
+
+    async def main():
+        endpoint = Endpoint(["policy"], temperature=1.0)
+        await endpoint.start()
+        client = AgentClient(engine, Trajectory(0, 0), template, 1.0, max_context, counter=counter)
+        endpoint.register(client, "0-0")
+        try:
+            return await run(client), client
+        except Exception as e:
+            if not catch:
+                raise
+            return e, client
+        finally:
+            await endpoint.stop()
+
+    return asyncio.run(main())
