@@ -24,20 +24,11 @@ as text, so this guard is for other servers).
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from .python_tool import MAX_TOKENS, MAX_TURNS, reward, sandbox, tool_text
+from .python_tool import MAX_TOKENS, MAX_TURNS, reward, run_python
 
 BAD_ARGUMENTS = 'error: bad arguments (expected {"code": "..."})'  # short: the tiny policy's context is 256 tokens
-
-
-async def run_python(client, code: str) -> str:
-    """Run ``code`` in the shared sandbox; what the policy sees of it. Failures are counted as in ``openai_agent``."""
-    result = await sandbox().run(code)
-    if not result.ok:  # agent/tool_error/timeout, .../memory, .../exit ... in the step metrics
-        client.count(f"tool_error/{re.match(r'[a-z]*', result.error).group(0) or 'other'}")
-    return tool_text(result)
 
 
 def make_agents_sdk_agent(max_tokens: int = MAX_TOKENS, max_turns: int = MAX_TURNS, score=reward):

@@ -65,6 +65,15 @@ def tool_text(result) -> str:
     return result.output.strip() if result.ok else result.as_message().strip()
 
 
+async def run_python(client, code: str) -> str:
+    """Run ``code`` in the shared sandbox; what the policy sees of it. A failed run is counted in the step metrics
+    (``agent/tool_error/timeout``, ``.../memory``, ``.../exit`` ...)."""
+    result = await sandbox().run(code)
+    if not result.ok:
+        client.count(f"tool_error/{re.match(r'[a-z]*', result.error).group(0) or 'other'}")
+    return tool_text(result)
+
+
 def reward(reply: str | None, sample: dict[str, Any], outputs: list[str] = ()) -> float:
     """1.0 when the final reply is exactly the result (an integer, nothing else)."""
     m = re.fullmatch(r"\s*(-?\d+)\s*\.?\s*", reply or "")
@@ -112,10 +121,7 @@ def make_openai_agent(max_tokens: int, score=reward, suffix: str = "", max_turns
                     client.count("tool_error/bad_arguments")
                     text = f"error: bad arguments ({e})"
                 else:
-                    result = await sandbox().run(code)
-                    if not result.ok:  # agent/tool_error/timeout, .../memory, .../exit ... in the step metrics
-                        client.count(f"tool_error/{re.match(r'[a-z]*', result.error).group(0) or 'other'}")
-                    text = tool_text(result)
+                    text = await run_python(client, code)
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
                 outputs.append(text)
             reply = None  # the episode must end with an answer, not a tool call
@@ -160,10 +166,7 @@ def make_anthropic_agent(max_tokens: int, score=reward, max_turns: int = MAX_TUR
                     client.count("tool_error/bad_arguments")
                     text = f"error: bad arguments {call.input!r}"
                 else:
-                    result = await sandbox().run(code)
-                    if not result.ok:
-                        client.count(f"tool_error/{re.match(r'[a-z]*', result.error).group(0) or 'other'}")
-                    text = tool_text(result)
+                    text = await run_python(client, code)
                 results.append({"type": "tool_result", "tool_use_id": call.id, "content": text})
                 outputs.append(text)
             messages.append({"role": "user", "content": results})
