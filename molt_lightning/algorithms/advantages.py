@@ -13,7 +13,8 @@ fills ``AdvantageInputs.values``, and the estimator returns ``Advantages.returns
 - RLOO (Ahmadian et al. 2024): r - mean of the *other* members of the group.
 - REINFORCE with a baseline (Williams 1992): r - mean reward of the batch.
 - REINFORCE++ (Hu 2025): the return (r on every token, gamma = 1) normalized over all policy tokens of the batch;
-  ``reinforce_pp_baseline`` subtracts the group mean first (verl's ``reinforce_plus_plus_baseline``).
+  ``reinforce_pp_baseline`` subtracts the group mean first, then divides by the batch's token std (verl's
+  ``reinforce_plus_plus_baseline``, which also re-centres on the token-weighted batch mean: see Deviations).
 - GAE (Schulman et al. 2016) on a value head, whitened over the batch's policy tokens (as verl does for PPO).
 - FlashREINFORCE (Hu, Zhang et al. 2026, Eq. 5): ``r - mean(r)`` over the batch, one sample per prompt: the same
   function as ``reinforce``, registered under its own name too.
@@ -37,7 +38,12 @@ policy that sampled it), both at the sampling temperature: the negative of the s
 KL(student || teacher), with no discount across tokens (Agarwal et al. 2024; Thinking Machines' on-policy
 distillation, 2025).
 
-Deviations: std is the unbiased sample std (as TRL and verl); a group (or batch) of one has std 0, so its advantage
+Every group, batch and token statistic is exact on equal values (``group_stats``, ``whiten``): a group whose rewards
+are all equal has exactly zero advantage, whatever the rewards (tested with continuous rewards for every estimator).
+
+Deviations: ``reinforce_pp_baseline`` does not re-centre the group-centred returns on their token-weighted batch
+mean (verl and OpenRLHF do): that mean is not 0 when rows differ in length, and subtracting it would give an
+all-equal group a non-zero advantage. std is the unbiased sample std (as TRL and verl); a group (or batch) of one has std 0, so its advantage
 is 0. REINFORCE++ here has no KL-in-reward term: use ``kl_coef`` (KL in the loss) instead. GAE treats each row (a
 segment) as one episode: the trajectory reward arrives at the row's last policy token, prompt and tool tokens are not
 steps (the next policy token's value is bootstrapped across them).
@@ -48,11 +54,9 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
-
-from .losses import masked_mean
 
 
 @dataclass
@@ -84,51 +88,59 @@ def outcome(fn: Callable) -> Callable:
     return estimator
 
 
-def group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Per trajectory: its group's mean, unbiased std (0 for a group of one) and size, each (M,)."""
+def group_stats(x: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per entry, each (M,) in ``x``'s dtype: ``x`` minus its group's mean, the group's unbiased std (0 for a group of
+    one) and the group's size. Exact on equal values: each group is first shifted by its minimum (``x - min`` is
+    exactly 0 for a value equal to it) and the statistics are taken in float64, so a group whose values are all equal
+    gets exactly 0 deviation and std (in float32, the plain mean of 16 copies of 0.9 is one ulp off, and dividing
+    that residue by ``std + eps`` gave every member an advantage of 0.106)."""
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)  # (M,), (K,)
-    zeros = torch.zeros(counts.numel(), dtype=rewards.dtype, device=rewards.device)  # (K,)
-    mean = (zeros.index_add(0, inverse, rewards) / counts)[inverse]  # (M,)
-    sq = zeros.index_add(0, inverse, (rewards - mean) ** 2)  # (K,)
-    std = (sq / (counts - 1).clamp(min=1)).sqrt()[inverse]  # (M,)
-    return mean, std, counts[inverse].to(rewards.dtype)
+    x64 = x.double()
+    low = torch.full((counts.numel(),), math.inf, dtype=torch.float64, device=x.device)
+    shifted = x64 - low.scatter_reduce(0, inverse, x64, "amin")[inverse]  # (M,) >= 0, exactly 0 at the minimum
+    zeros = torch.zeros(counts.numel(), dtype=torch.float64, device=x.device)  # (K,)
+    dev = shifted - (zeros.index_add(0, inverse, shifted) / counts)[inverse]  # (M,)
+    std = (zeros.index_add(0, inverse, dev**2) / (counts - 1).clamp(min=1)).sqrt()[inverse]  # (M,)
+    return dev.to(x.dtype), std.to(x.dtype), counts[inverse].to(x.dtype)
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
-    """(x - mean) / (std + eps) over the masked entries (unbiased std), 0 off the mask."""
-    m = mask.to(x.dtype)
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float, centre: bool = True) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the masked entries (unbiased std), 0 off the mask; ``centre=False`` only divides.
+    Exact on equal values (shifted by the masked minimum and taken in float64, as ``group_stats``)."""
+    if not mask.any():
+        return torch.zeros_like(x)
+    m = mask.double()
+    x64 = torch.where(mask, x.double() - x[mask].min().double(), 0.0)  # exactly 0 at the minimum
     n = m.sum()
-    mean = masked_mean(x, mask)
-    std = (((x - mean) ** 2 * m).sum() / (n - 1).clamp(min=1)).sqrt()
-    return (x - mean) / (std + eps) * m
+    dev = (x64 - x64.sum() / n) * m
+    std = ((dev**2).sum() / (n - 1).clamp(min=1)).sqrt()
+    return ((dev if centre else x.double() * m) / (std + eps)).to(x.dtype)
 
 
 @outcome
 def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, cfg) -> torch.Tensor:
     """GRPO: ``(r - mean_group) / (std_group + eps)``, or ``r - mean_group`` with ``cfg.scale_by_std=False``."""
-    mean, std, _ = group_stats(rewards, group_ids)  # (M,) each
-    adv = rewards - mean  # (M,)
+    adv, std, _ = group_stats(rewards, group_ids)  # (M,) each
     return adv / (std + cfg.eps) if cfg.scale_by_std else adv
 
 
 @outcome
 def dr_grpo(rewards: torch.Tensor, group_ids: torch.Tensor, cfg) -> torch.Tensor:
     """Dr. GRPO: ``r - mean_group`` (no std division, whatever ``scale_by_std`` says)."""
-    mean, _, _ = group_stats(rewards, group_ids)  # (M,)
-    return rewards - mean
+    return group_stats(rewards, group_ids)[0]
 
 
 @outcome
 def rloo(rewards: torch.Tensor, group_ids: torch.Tensor, cfg) -> torch.Tensor:
     """RLOO: ``r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean_group)``; 0 for a group of one."""
-    mean, _, n = group_stats(rewards, group_ids)  # (M,) each
-    return (rewards - mean) * n / (n - 1).clamp(min=1)
+    adv, _, n = group_stats(rewards, group_ids)  # (M,) each
+    return adv * n / (n - 1).clamp(min=1)
 
 
 @outcome
 def reinforce(rewards: torch.Tensor, group_ids: torch.Tensor, cfg) -> torch.Tensor:
     """REINFORCE with the batch-mean baseline: ``r - mean(r)`` (each trajectory counted once)."""
-    return rewards - rewards.mean()
+    return group_stats(rewards, torch.zeros_like(group_ids))[0]  # the batch as one group: exact on equal rewards
 
 
 def reinforce_pp(inp: AdvantageInputs, cfg) -> Advantages:
@@ -139,9 +151,10 @@ def reinforce_pp(inp: AdvantageInputs, cfg) -> Advantages:
 
 
 def reinforce_pp_baseline(inp: AdvantageInputs, cfg) -> Advantages:
-    """REINFORCE++ with the group mean subtracted before the batch normalization."""
-    mean, _, _ = group_stats(inp.rewards, inp.group_ids)  # (M,)
-    return reinforce_pp(replace(inp, rewards=inp.rewards - mean), cfg)
+    """REINFORCE++ with the group mean subtracted, then divided by the batch's token std (not re-centred: see the
+    module docstring)."""
+    centred = group_stats(inp.rewards, inp.group_ids)[0][inp.traj_ids][:, None].expand(inp.mask.shape)  # (N, T)
+    return Advantages(whiten(centred, inp.mask, cfg.eps, centre=False))
 
 
 def gae(inp: AdvantageInputs, cfg) -> Advantages:
@@ -195,8 +208,7 @@ def keyed_normalize(x: torch.Tensor, keys: torch.Tensor, cfg) -> torch.Tensor:
     valid = ~x.isnan() & (keys >= 0)
     out = torch.zeros_like(x)
     if valid.any():
-        mean, std, _ = group_stats(x[valid], keys[valid])
-        adv = x[valid] - mean
+        adv, std, _ = group_stats(x[valid], keys[valid])
         out[valid] = adv / (std + cfg.eps) if cfg.scale_by_std else adv
     return out
 
