@@ -54,6 +54,7 @@ import torch
 
 from .base import Adapter, Generation, RolloutEngine, Sampling, write_weights
 from .main_guard import require_main_guard
+from .reaper import Reaper
 from .vllm_lora import AdapterSlots, vllm_rank
 
 
@@ -101,6 +102,7 @@ class VLLMEngine(RolloutEngine):
         self.weight_dir = weight_dir if os.path.isdir(weight_dir) else None
         self.engine_kwargs = engine_kwargs or {}
         self.llm = None
+        self.reaper = Reaper()  # vLLM's engine processes die with this one, even on SIGKILL
         self._ids = itertools.count()
         self._staged: list[str] = []  # safetensors files of the buckets staged for the next commit
         self._staged_adapter: dict[str, torch.Tensor] = {}  # a LoRA policy's staged adapter tensors (peft names)
@@ -130,9 +132,11 @@ class VLLMEngine(RolloutEngine):
             worker_extension_cls="molt_lightning.engines.vllm_worker.MoltWorkerExtension",
             **({"enable_prefix_caching": False} if self.captures_routing else {}), **{**lora, **self.engine_kwargs},
         )
+        before = self.reaper.children()
         try:
             with _bound_to(self.cpu_threads):  # the engine's processes inherit the binding; this one gets its own back
                 self.llm = AsyncLLM.from_engine_args(args)
+            self.reaper.watch(self.reaper.children() - before)
         except RuntimeError as e:
             if "Engine core initialization failed" not in str(e):
                 raise
@@ -151,6 +155,7 @@ class VLLMEngine(RolloutEngine):
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+        self.reaper.close()
 
     async def pause(self) -> None:
         if self.adapters is None:  # a new adapter version needs no pause: each request keeps its own adapter
