@@ -14,10 +14,12 @@ Weights arrive in phases, the same for every engine, so that a pool can run them
 flight keep their progress), ``load`` swaps every staged tensor in, ``tag`` makes every token sampled from then on
 carry the new version (vLLM also drops every KV block the old weights computed), ``resume``. ``update`` is that
 sequence, written once; ``commit_weights`` runs it over the engine's ``members`` (itself, or a pool's engines), so a
-sharded trainer stages bucket by bucket and never needs the whole model twice in one process. Requests in flight
-during an update continue on the new weights, and their per-token versions show where. ``healthy``, ``mark_down``
-and ``check`` are the health phase: an engine that is down (a remote server) keeps an update for when it is back
-(``defer``).
+sharded trainer stages bucket by bucket and never needs the whole model twice in one process. Given what was sent
+(``fingerprint.Sample`` by name), the update also checks, after the tag and before the resume, that every engine
+serves it (``fingerprints``: read from the weights the engine computes with) and raises ``WeightMismatch`` if not.
+Requests in flight during an update continue on the new weights, and their per-token versions show where.
+``healthy``, ``mark_down`` and ``check`` are the health phase: an engine that is down (a remote server) keeps an
+update for when it is back (``defer``).
 
 A LoRA policy (``model.lora``) is launched with its ``Adapter`` (peft's adapter config): the engine then serves the
 base model plus that adapter, and a sync carries only the adapter's tensors, under peft's names (as
@@ -44,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from ..vision import ImageInputs
+from .fingerprint import Print, Sample, verify
 
 log = logging.getLogger("molt_lightning.engines")
 
@@ -118,6 +121,9 @@ class RolloutEngine(ABC):
         self.down_timeout_s, self.where = down_timeout_s, type(self).__name__  # where: for messages
         self._down_since: float | None = None
         self._down_reason = ""
+        self.expected: Mapping[str, Sample] | None = None  # what the last update sent (checked again on a rejoin)
+        self.verified = False  # the last update's fingerprints matched, every tensor read back
+        self._warned_unverified = False
 
     # ----- lifecycle, from the trainer thread -----
     def launch(self, model_path: str, adapter: Adapter | None = None) -> None:
@@ -187,6 +193,13 @@ class RolloutEngine(ABC):
         (a KV cache) is used again."""
         raise NotImplementedError
 
+    async def fingerprints(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Print | None]:
+        """(Loaded, tagged.) The fingerprint of what the engine serves under each of the trainer's names (HF names,
+        or the adapter's peft names), read from the weights it computes with, not from what it was sent; None for a
+        name it serves no tensor under. An engine that cannot read its weights back raises ``NotImplementedError``:
+        its syncs are then not verified (a warning, ``sync/verified`` 0)."""
+        raise NotImplementedError
+
     def defer(self, version: int) -> None:
         """(Down.) Keep the staged update as ``version`` for when the engine is back (an in-process engine is never
         down; ``RemoteVLLMEngine`` keeps it)."""
@@ -200,10 +213,12 @@ class RolloutEngine(ABC):
         for engine in self.members:  # every engine, up or down: one that comes back loads the latest update
             await engine.stage(bucket)
 
-    async def commit_weights(self, version: int) -> None:
-        """Load everything staged as ``version`` (``update``)."""
-        await update(self.members, version)
+    async def commit_weights(self, version: int, expected: Mapping[str, Sample] | None = None) -> bool:
+        """Load everything staged as ``version`` (``update``); with ``expected`` (what was sent), check that every
+        engine serves it. True when every member took the update and its fingerprints matched in full."""
+        await update(self.members, version, expected=expected)
         self.version = version
+        return expected is not None and all(e.verified for e in self.members)
 
     async def update_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """All weights in one bucket: stage, then commit."""
@@ -286,13 +301,15 @@ def write_weights(tensors: Mapping[str, torch.Tensor], folder: str | None) -> st
     return path
 
 
-async def update(engines: list[RolloutEngine], version: int, rejoin: bool = False) -> list[RolloutEngine]:
+async def update(engines: list[RolloutEngine], version: int, rejoin: bool = False,
+                 expected: Mapping[str, Sample] | None = None) -> list[RolloutEngine]:
     """The weight-update sequence, for one engine or every engine of a pool at once: each engine that serves is
     paused, loads its staged buckets and is tagged with ``version``; only then do they all resume, so no engine
     samples a token of ``version`` while another still loads it, and each engine's per-token versions stay its own
-    exact ones. An engine that is down, or goes down on the way (``EngineUnavailable``), is marked down and keeps the
-    update for when it is back (``defer``). ``rejoin``: the engines were down and answer again; they load what they
-    hold before they serve. Returns the engines that took the update."""
+    exact ones. With ``expected`` (what was sent), each engine's fingerprints are checked before the resume
+    (``WeightMismatch``). An engine that is down, or goes down on the way (``EngineUnavailable``), is marked down and
+    keeps the update for when it is back (``defer``). ``rejoin``: the engines were down and answer again; they load
+    what they hold before they serve. Returns the engines that took the update."""
 
     async def each(engines: list[RolloutEngine], phase: Callable[[RolloutEngine], Awaitable]) -> list[RolloutEngine]:
         """``phase`` on every engine at once; those that fail with ``EngineUnavailable`` drop out, marked down."""
@@ -304,13 +321,32 @@ async def update(engines: list[RolloutEngine], version: int, rejoin: bool = Fals
                 raise result
         return [e for e, r in zip(engines, results) if not isinstance(r, BaseException)]
 
+    async def check(engine: RolloutEngine) -> None:
+        try:
+            served = await engine.fingerprints({name: s.shape for name, s in expected.items()})
+        except NotImplementedError:
+            served, unread = None, list(expected)
+        else:
+            where = engine.where if len(engines) == 1 else f"{engine.where} (engine {engines.index(engine) + 1} of " \
+                                                           f"{len(engines)})"
+            unread = verify(expected, served, where, version)
+        if unread and not engine._warned_unverified:  # once per engine: the same tensors every sync
+            engine._warned_unverified = True
+            why = served[unread[0]].via if served else "it reports no fingerprints"
+            log.warning("the engine %s does not read back %d of the %d tensors a sync sends (%s: %s): those are not "
+                        "verified, sync/verified stays 0", engine.where, len(unread), len(expected), unread[0], why)
+        engine.verified = not unread
+
     async with AsyncExitStack() as locks:  # no engine's own reload (after a restart) runs during the update
         for engine in engines:
             engine.weights_lock = engine.weights_lock or asyncio.Lock()
             await locks.enter_async_context(engine.weights_lock)
+            engine.verified, engine.expected = False, expected
         live = await each([e for e in engines if rejoin or e.healthy], lambda e: e.pause())
         try:
             live = await each(await each(live, lambda e: e.load()), lambda e: e.tag(version))
+            if expected is not None:
+                live = await each(live, check)
         finally:
             live = await each(live, lambda e: e.resume())
         for engine in engines:

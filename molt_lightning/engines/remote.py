@@ -48,6 +48,7 @@ import torch
 
 from . import nccl_channel
 from .base import EngineUnavailable, Generation, RolloutEngine, Sampling, update, write_weights
+from .fingerprint import Print
 
 log = logging.getLogger("molt_lightning.engines.remote")
 CHANNELS = ("auto", "shm", "http", "nccl")
@@ -229,6 +230,12 @@ class RemoteVLLMEngine(RolloutEngine):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
+    async def fingerprints(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Print | None]:
+        """Read in the server's worker, as ``VLLMEngine`` reads them (``vllm_worker.molt_fingerprints``)."""
+        wire = (await self._rpc("molt_fingerprints", {k: list(v) for k, v in shapes.items()},
+                                timeout=self.weight_timeout_s))[0]
+        return {name: Print.from_wire(w) for name, w in wire.items()}
+
     async def weight_checksums(self) -> dict[str, float]:
         """Sum of every parameter inside the engine, by vLLM's parameter names (for tests)."""
         return (await self._rpc("molt_weight_checksums"))[0]
@@ -251,7 +258,7 @@ class RemoteVLLMEngine(RolloutEngine):
         if self._nccl is not None:
             self._nccl.reset()  # the server may have restarted: it joins a new group
         try:
-            if await update([self], self.version, rejoin=True):
+            if await update([self], self.version, rejoin=True, expected=self.expected):
                 self._down_since = None  # up: it serves again
                 log.warning("the engine at %s serves again (version %d)", self.url, self.version)
         except RuntimeError as e:  # e.g. its prefix cache did not reset: it stays down, and is tried again

@@ -38,6 +38,7 @@ import torch
 from .. import moe
 from ..vision import ImageInputs
 from .base import Generation, RolloutEngine, Sampling
+from .fingerprint import Print, fingerprint
 
 
 class TorchEngine(RolloutEngine):
@@ -123,6 +124,15 @@ class TorchEngine(RolloutEngine):
 
     async def tag(self, version: int) -> None:
         self.version = version  # paused: the next decode step recomputes the context's KV under it
+
+    async def fingerprints(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Print | None]:
+        """Read from the parameters the model computes with (a LoRA policy: the adapter's own parameters)."""
+        def read() -> dict[str, Print | None]:
+            served = self._adapter_params if self.adapter is not None else dict(self.model.named_parameters())
+            with self._weights:
+                return {name: fingerprint(served[name], name) if name in served else None for name in shapes}
+
+        return await asyncio.to_thread(read)
 
     async def _schedule(self) -> None:
         while True:

@@ -53,6 +53,7 @@ from collections.abc import Mapping
 import torch
 
 from .base import Adapter, Generation, RolloutEngine, Sampling, write_weights
+from .fingerprint import Print
 from .main_guard import require_main_guard
 from .reaper import Reaper
 from .vllm_lora import AdapterSlots, vllm_rank
@@ -254,6 +255,22 @@ class VLLMEngine(RolloutEngine):
             return
         await self.llm.reset_prefix_cache(reset_running_requests=True)
         await self.llm.update_weight_version(str(version))
+
+    async def fingerprints(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Print | None]:
+        """Read in the worker, from the weights it computes with (``vllm_worker._Served``: fused layers by block,
+        repacked ones through their kernels); a LoRA policy: the adapter new requests get (``adapters.current``),
+        as vLLM holds it under its id."""
+        lora_id = None
+        if self.adapters is not None:
+            if self.adapters.current is None:
+                return dict.fromkeys(shapes)
+            lora_id = self.adapters.current.request.lora_int_id
+        wire = (await self.llm.collective_rpc("molt_fingerprints", args=({k: list(v) for k, v in shapes.items()},
+                                                                          lora_id)))[0]
+        prints = {name: Print.from_wire(w) for name, w in wire.items()}
+        if lora_id is not None:
+            prints = self.adapters.with_scale(prints)
+        return prints
 
     async def weight_checksums(self) -> dict[str, float]:
         """Sum of every parameter inside the engine, by vLLM's parameter names (for tests)."""

@@ -81,6 +81,24 @@ class AdapterSlots:
         shutil.rmtree(served.folder, ignore_errors=True)
         self.retired += 1
 
+    def with_scale(self, prints: dict) -> dict:
+        """The worker's fingerprints of this adapter, each ``lora_B`` marked with the scale vLLM folded into it when
+        it loaded the adapter (peft's alpha / r, or alpha / sqrt(r) with rsLoRA; the check multiplies what was sent
+        by it as vLLM did). Per-module patterns (``rank_pattern``, ``alpha_pattern``): B is not checked."""
+        import math
+        from dataclasses import replace
+
+        c = self.adapter.config
+        patterned = bool(c.get("rank_pattern") or c.get("alpha_pattern"))
+        scale = c["lora_alpha"] / (math.sqrt(c["r"]) if c.get("use_rslora") else c["r"])
+        out = {}
+        for name, p in prints.items():
+            if p is not None and ".lora_B." in name:
+                p = replace(p, checksum=None, via="per-module LoRA patterns: B is not read back") if patterned \
+                    else replace(p, scale=scale)
+            out[name] = p
+        return out
+
     def close(self) -> None:
         if self.current is not None and os.path.isdir(self.current.folder):
             shutil.rmtree(self.current.folder, ignore_errors=True)

@@ -101,6 +101,22 @@ class MoltWorkerExtension:
 
             dispatch_cpu_unquantized_gemm(head, remove_weight=False)
 
+    def molt_fingerprints(self, shapes: dict[str, list[int]], lora_id: int | None = None) -> dict[str, list | None]:
+        """The fingerprint (``engines.fingerprint``) of what this worker serves under each trainer name (HF names;
+        with ``lora_id``, the peft names of that registered adapter), as wire lists; None where it serves no such
+        tensor. See ``_Served``."""
+        import torch
+
+        from .fingerprint import Print
+
+        with torch.inference_mode():
+            if lora_id is not None:
+                served = _adapter_prints(self.model_runner, lora_id, shapes)
+            else:
+                reader = _Served(self.model_runner.get_model(), self.model_runner.model_config.dtype)
+                served = {name: reader.print(name, tuple(shape)) for name, shape in shapes.items()}
+        return {name: p.to_wire() if isinstance(p, Print) else None for name, p in served.items()}
+
     def molt_weight_checksums(self) -> dict[str, float]:
         """Sum of every parameter as vLLM holds it (names are vLLM's; CPU-repacked linears read as empty)."""
         model = self.model_runner.get_model()
@@ -187,3 +203,139 @@ def _checkpoint_names(name: str, t):
             yield f"{prefix}.{e}.down_proj.weight", t[e]  # (H, I)
     else:
         yield name, t
+
+
+
+class _Served:
+    """Reads the fingerprint sample of a trainer tensor (HF name and shape) from what the worker serves.
+
+    vLLM fuses and repacks weights: ``q_proj``/``k_proj``/``v_proj`` are row blocks of ``qkv_proj``, ``gate_proj``/
+    ``up_proj`` of ``gate_up_proj`` (the model's ``packed_modules_mapping``, the blocks' sizes in the layer's
+    ``output_sizes``), and on the CPU a linear weight lives only inside its GEMM kernel (the parameter is emptied). So
+    a linear layer's weight (a ``LinearBase``, the output head) is read through the layer's own kernel: one one-hot
+    probe input per sampled column with the bias off (``quant_method.apply``) returns exactly that column's served
+    weights. That proves what the layer computes with, a kernel packed from old weights included, which reading the
+    parameter could not. Other parameters (embeddings, norms, biases) are read as they are, and one that a linear
+    layer shares (a tied output head) is read through that layer's kernel too; a reading that differs is the one
+    reported. Not read back (checksum None, the reason in ``via``): mixture-of-experts expert weights (repacked in
+    place by the CPU kernel) and tensor-parallel shards (each worker holds a part)."""
+
+    def __init__(self, model, dtype):
+        import torch
+        from vllm.model_executor.layers.linear import LinearBase
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+        self.dtype, self.kernels = dtype, (LinearBase, ParallelLMHead)
+        self.modules = dict(model.named_modules())
+        self.packed = getattr(model, "packed_modules_mapping", None) or {}
+        self.mapper = getattr(model, "hf_to_vllm_mapper", None)
+        self.sharers: dict[int, list[str]] = {}  # id(weight) -> the linear layers that compute with it
+        for path, m in self.modules.items():
+            if isinstance(m, self.kernels) and isinstance(getattr(m, "weight", None), torch.Tensor):
+                self.sharers.setdefault(id(m.weight), []).append(path)
+
+    def locate(self, name: str):
+        """(module path, module, parameter name, first row of the tensor in it) of HF ``name``; None when the model
+        has no such tensor, "dropped" when vLLM's loader drops it."""
+        shard = None
+        if self.mapper is not None:
+            mapped = self.mapper._map_name_with_shard(name)
+            if mapped is None:
+                return "dropped"
+            name, shard = mapped
+        path, _, pname = name.rpartition(".")
+        parent, _, leaf = path.rpartition(".")
+        for fused, parts in self.packed.items():  # no mapper (or an older vLLM): q_proj -> qkv_proj's first block
+            if shard is None and leaf in parts and path not in self.modules:
+                path, shard = f"{parent}.{fused}" if parent else fused, parts.index(leaf)
+        if (m := self.modules.get(path)) is None:
+            return None
+        if shard is None:
+            return path, m, pname, 0
+        sizes = list(getattr(m, "output_sizes", None) or [])
+        index = "qkv".index(shard) if shard in ("q", "k", "v") else shard
+        if not isinstance(index, int) or index >= len(sizes):
+            return None
+        return path, m, pname, sum(sizes[:index])
+
+    def print(self, name: str, shape: tuple[int, ...]):
+        import math
+
+        import torch
+
+        from .fingerprint import Print, checksum, dtype_name, grid
+
+        where, dtype = self.locate(name), dtype_name(self.dtype)
+        if where == "dropped":
+            return Print(shape, dtype, None, "vLLM's loader drops this weight")
+        param = getattr(where[1], where[2], None) if where else None
+        if not isinstance(param, torch.Tensor):
+            return None
+        path, m, pname, first = where
+        if path.endswith(".experts") or ".experts." in path:
+            return Print(shape, dtype, None, "expert weights are not read back (repacked by the CPU MoE kernel)")
+        if getattr(m, "tp_size", 1) > 1:
+            return Print(shape, dtype, None, "tensor-parallel shards are not read back")
+        rows, cols = grid(shape)
+        rows = [first + r for r in rows]
+        via = f"{path}.{pname}" + (f" rows {first}:{first + shape[0]}" if first else "")
+        if isinstance(m, self.kernels) and pname == "weight":  # the kernel is what serves
+            got = self._probe(m, rows, cols, shape, first)
+            return got if isinstance(got, Print) else Print(shape, dtype, checksum(got), f"{via} (its kernel)")
+        view = param.detach().reshape(param.shape[0] if param.dim() else 1, -1)
+        if view.shape[1] != math.prod(shape[1:]) or first + (shape[0] if shape else 1) > view.shape[0]:
+            return Print(tuple(param.shape), dtype, None, f"{via} has another shape")
+        values = view[rows][:, list(cols)].to("cpu", self.dtype).flatten()
+        for other in self.sharers.get(id(param), []):  # a tied output head computes with it: read it there too
+            if other != path:
+                got = self._probe(self.modules[other], rows, cols, shape, first)
+                if not isinstance(got, Print) and not torch.equal(got, values):
+                    return Print(shape, dtype, checksum(got), f"{other}.weight (tied to {path}.{pname}; its kernel)")
+        return Print(shape, dtype, checksum(values), via)
+
+    def _probe(self, m, rows: list[int], cols: tuple[int, ...], shape: tuple[int, ...], first: int):
+        """Linear layer ``m``'s served weights at ``rows`` x ``cols``, row by row, through its kernel (or a Print
+        saying why not)."""
+        import torch
+
+        from .fingerprint import Print, dtype_name
+
+        k = getattr(m, "input_size_per_partition", None) or getattr(m, "embedding_dim", None)
+        n = getattr(m, "output_size_per_partition", None) or getattr(m, "num_embeddings_per_partition", None)
+        if len(shape) != 2 or shape[1] != k or first + shape[0] > n:
+            return Print((n, k), dtype_name(self.dtype), None, f"the served layer is ({n}, {k}) from row {first}")
+        probe = torch.zeros(len(cols), k, dtype=self.dtype, device=m.weight.device)
+        probe[torch.arange(len(cols)), torch.tensor(cols)] = 1
+        out = m.quant_method.apply(m, probe, bias=None)  # (len(cols), n): probe j returns column cols[j]
+        return out[:, rows].T.to("cpu", self.dtype).flatten()
+
+
+def _adapter_prints(runner, lora_id: int, shapes: dict[str, list[int]]) -> dict:
+    """The fingerprints of the LoRA adapter vLLM holds under ``lora_id``, by peft name (``lora_A`` as loaded,
+    ``lora_B`` with vLLM's scaling folded in: the engine sets ``Print.scale``); the projections of a fused layer
+    (``qkv_proj``) are its entries in ``packed_modules_mapping``'s order. An adapter vLLM does not hold: all None."""
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    from .fingerprint import fingerprint
+
+    manager = getattr(getattr(runner, "lora_manager", None), "_adapter_manager", None)
+    lora = manager.get_adapter(lora_id) if manager is not None else None
+    if lora is None:
+        return dict.fromkeys(shapes)
+    mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
+    mapper = mapper.get_rename_mapper() if mapper is not None else None
+    packed = getattr(manager, "packed_modules_mapping", None) or {}
+    out = {}
+    for name in shapes:
+        module, is_a = parse_fine_tuned_lora_name(name, mapper)
+        layer, index = lora.loras.get(module), None
+        if layer is None:
+            parent, _, leaf = module.rpartition(".")
+            for fused, parts in packed.items():
+                if leaf in parts and (layer := lora.loras.get(f"{parent}.{fused}")) is not None:
+                    index = parts.index(leaf)
+                    break
+        t = None if layer is None else layer.lora_a if is_a else layer.lora_b
+        t = t[index] if index is not None and t is not None else t
+        out[name] = None if t is None else fingerprint(t, f"adapter {lora_id}, {module}")
+    return out
