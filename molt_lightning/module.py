@@ -9,15 +9,13 @@ The loop, step by step (``training_step`` reads like this):
    micro-batches (a token budget each);
 2. the constants of the update, in a no-grad pass when some are needed: PPO's old logprobs (when the batch is used
    for more than one optimizer step), the frozen reference's logprobs (KL), the value head's predictions (critic);
-3. shape the rewards, estimate advantages over the whole batch (``Batch.outcomes``: one reward, length and group per
-   trajectory);
+3. shape the rewards, estimate advantages over the whole batch (``Batch.outcomes``: rewards, lengths, groups);
 4. ``updates_per_batch`` epochs over the mini-batches: per micro-batch the logprobs of the sampled tokens at the
    sampling temperature (chunked, ``policy.Policy``), the correction for the engine-trainer gap, the loss (every
    piece a pure function from ``algorithms``) normalized by mini-batch-wide counts, and a backward; then one
    optimizer step per mini-batch;
-5. the policy version (the number of rollout batches trained, i.e. of weight pushes; not of optimizer steps) goes up
-   by one and the ``WeightSync`` callback pushes the new weights to the engine through the weight flow
-   (``weights.WeightFlow``), tagged with it.
+5. the policy version (rollout batches trained, i.e. weight pushes; not optimizer steps) goes up by one and the
+   ``WeightSync`` callback pushes the new weights, tagged with it, through the weight flow (``weights.WeightFlow``).
 
 The module holds the two rooms and connects them: the rollout side (``source``, data from the engine to the trainer)
 and the weight flow (``weights``, weights from the trainer to the engine). Everything else (weight sync timing,
@@ -71,6 +69,7 @@ class AsyncRLModule(L.LightningModule):
         dtype: str = "float32",
         torch_threads: int | None = None,
         teacher: str | None = None,
+        verify_weights: bool = True,
     ):
         """
         Args:
@@ -84,6 +83,7 @@ class AsyncRLModule(L.LightningModule):
             dtype: the trainer's parameter dtype; ``bfloat16`` works on the CPU but runs slower there.
             torch_threads: intra-op threads for the trainer (``torch.set_num_threads``); None leaves torch's default.
             teacher: on-policy distillation's frozen teacher (like ``policy``; the same tokenizer), ``algo.distill_coef``.
+            verify_weights: check after every sync that the engine serves what was sent (fingerprints: engines.md).
         """
         super().__init__()
         self.save_hyperparameters(ignore=["engine", "agent", "tasks"])
@@ -104,7 +104,7 @@ class AsyncRLModule(L.LightningModule):
                              f"VLLMEngine(capture_routing=True), or model.moe.routing: free")
         self.engine = engine
         self.source = RolloutSource(agent, tasks, self.rollout, group_filter=self.fns.group_filter)
-        self.weights = WeightFlow(engine)
+        self.weights = WeightFlow(engine, verify_weights)
         self.clients: AgentClients | None = None
         self.policy_path: str | None = None
         self.policy: Policy | None = None  # the LM (``policy.lm``) and a value head for critic estimators
@@ -258,7 +258,7 @@ class AsyncRLModule(L.LightningModule):
             {**stats.reduce(self.trainer), "reward/shaped": shaped.mean(),
              "reward/std": rewards.std() if rewards.numel() > 1 else torch.tensor(0.0),
              "lag/max": lag.max(), "batch/samples": float(rewards.numel()), "batch/policy_tokens": mask.sum().float(),
-             "batch/optimizer_steps": float(steps),
+             "batch/optimizer_steps": float(steps), **self.weights.metrics(),
              "batch/padding_frac": padding_frac(batch, minis)},
             on_step=True, batch_size=rewards.numel(),
         )

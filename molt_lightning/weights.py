@@ -16,6 +16,11 @@ pushed to the engine as a policy version, with one load in flight.
   push, and whoever needs the version (``settle``: a batch that needs it, the start and the end of a run), waits for
   it and gets its error, if any. ``on_loaded`` is called when a load ends (the rollout source's admission looks at
   the engine's version).
+- **Verifying** (``verify``, on by default): as each bucket is staged, the trainer keeps a fingerprint sample of each
+  tensor (``engines.fingerprint``: 256 elements at most, no extra gather); the load in flight ends with every engine
+  reporting the fingerprints of what it then serves, and a tensor that differs or is missing fails the load
+  (``WeightMismatch``, naming the tensor, the version and the engine), so ``settle`` raises it like any load error.
+  ``verified``: the last finished sync matched on every engine, every tensor read back (``sync/verified``).
 
 The engine is reached directly (``engine.call`` on its loop); the rollout side is not involved.
 """
@@ -30,6 +35,7 @@ from concurrent.futures import Future
 import torch
 
 from .engines.base import RolloutEngine
+from .engines.fingerprint import Sample, samples
 from .lora import is_lora
 from .parallel import is_sharded
 
@@ -61,9 +67,10 @@ def buckets(lm: torch.nn.Module, bucket_bytes: int) -> Iterator[dict[str, torch.
 class WeightFlow:
     """Pushes the policy's weights to ``engine`` (rank 0's; the other ranks only help gather them)."""
 
-    def __init__(self, engine: RolloutEngine):
-        self.engine = engine
+    def __init__(self, engine: RolloutEngine, verify: bool = True):
+        self.engine, self.verify = engine, verify
         self.on_loaded: Callable[[], None] = lambda: None
+        self.verified = False  # the last finished load's fingerprints matched on every engine
         self._loading: Future | None = None  # the engine's load in flight, if any
 
     def push(self, lm: torch.nn.Module, version: int, trainer, bucket_bytes: int) -> tuple[float, int]:
@@ -71,16 +78,28 @@ class WeightFlow:
         the next step) and the bytes sent."""
         t0, sent = time.perf_counter(), 0
         rank0 = trainer.global_rank == 0
+        expected: dict[str, Sample] | None = {} if self.verify else None
         if rank0 or is_sharded(trainer.strategy):
             for bucket in buckets(lm, bucket_bytes):
                 sent += sum(t.numel() * t.element_size() for t in bucket.values())
                 if rank0:
                     self.settle()  # the previous load is done (its files read, its version serving) first
+                    if expected is not None:
+                        expected.update(samples(bucket))
                     self.engine.call(self.engine.stage_weights(bucket))
             if rank0:
-                self._loading = asyncio.run_coroutine_threadsafe(self.engine.commit_weights(version), self.engine.loop)
-                self._loading.add_done_callback(lambda _: self.on_loaded())
+                self._loading = asyncio.run_coroutine_threadsafe(self.engine.commit_weights(version, expected),
+                                                                 self.engine.loop)
+                self._loading.add_done_callback(self._loaded)
         return time.perf_counter() - t0, sent
+
+    def _loaded(self, loading: Future) -> None:
+        self.verified = not loading.cancelled() and loading.exception() is None and bool(loading.result())
+        self.on_loaded()
+
+    def metrics(self) -> dict[str, float]:
+        """``sync/verified`` (with ``verify``): 1 when the last finished sync's fingerprints matched on every engine."""
+        return {"sync/verified": float(self.verified)} if self.verify else {}
 
     @property
     def pending(self) -> Future | None:
