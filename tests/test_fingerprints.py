@@ -1,0 +1,299 @@
+"""Weight fingerprints: after every sync each engine proves it serves what the trainer sent, and a sync that did not
+land stops the run naming the tensor, the version and the engine.
+
+The fingerprint itself: one changed, or two swapped, sampled elements change it, as do shape and dtype; equal tensors
+give equal ones; the trainer's side and the engine's side compute the same number. Then the failures users hit,
+injected into real engines: a bucket staged but never loaded, a load that silently did nothing, a version tagged
+without a load, a LoRA adapter never loaded; and a normal run that verifies every sync (``sync/verified`` 1). The
+``slow`` tests use the session's real vLLM engine (and one LoRA-enabled vLLM engine for this module), and put the
+shared engine back on the policy's weights afterwards."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from molt_lightning.engines import TorchEngine
+from molt_lightning.engines.fingerprint import (SAMPLES, Print, Sample, WeightMismatch, checksum, fingerprint,
+                                                positions, sample)
+from molt_lightning.weights import WeightFlow
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from modules import make_module  # noqa: E402
+
+TRAINER = SimpleNamespace(global_rank=0, strategy=None)  # what WeightFlow.push reads of a one-process trainer
+
+
+# ----- the fingerprint -----
+@pytest.mark.parametrize("shape", [(300, 70), (7,), (5, 3, 4), (1000,), ()])
+def test_sample_positions_are_fixed_distinct_and_span_the_tensor(shape):
+    pos = positions(shape)
+    n = math.prod(shape)
+    assert len(set(pos.tolist())) == len(pos) == min(n, SAMPLES)
+    assert pos.min() == 0 and pos.max() == n - 1  # the first and the last element are in
+    assert torch.equal(pos, positions(tuple(shape)))
+
+
+def test_one_changed_or_two_swapped_samples_change_the_fingerprint_and_shape_and_dtype_do_too():
+    t = torch.randn(300, 70, generator=torch.Generator().manual_seed(0))
+    base = fingerprint(t)
+    assert fingerprint(t.clone()) == base  # equal tensors, equal fingerprints
+    pos = positions(tuple(t.shape))
+    for k in (0, 1, len(pos) // 2, len(pos) - 1):  # one sampled element, by the smallest step float32 takes
+        u = t.clone().reshape(-1)
+        u[pos[k]] = torch.nextafter(u[pos[k]], torch.tensor(math.inf))
+        assert fingerprint(u.reshape(t.shape)).checksum != base.checksum, k
+    u = t.clone().reshape(-1)
+    u[pos[3]], u[pos[4]] = t.reshape(-1)[pos[4]], t.reshape(-1)[pos[3]]  # two samples swapped
+    assert fingerprint(u.reshape(t.shape)).checksum != base.checksum
+    assert fingerprint(t.reshape(70, 300)) != base and fingerprint(t.reshape(70, 300)).shape == (70, 300)
+    assert fingerprint(t.double()) != base and fingerprint(t.double()).dtype == "float64"
+
+
+def test_the_trainer_side_and_the_engine_side_compute_the_same_fingerprint():
+    t = torch.randn(64, 33, generator=torch.Generator().manual_seed(1))
+    sent = Sample.of(t)
+    assert sent.print() == fingerprint(t)
+    assert sent.print("bfloat16") == fingerprint(t.to(torch.bfloat16))  # an engine serving bfloat16: cast as it does
+    assert sent.print("float32", 2.5).checksum == fingerprint(t * 2.5).checksum  # vLLM's LoRA B: alpha / r folded in
+    p = fingerprint(t, "somewhere")
+    assert Print.from_wire(json.loads(json.dumps(p.to_wire()))) == p  # exact through JSON (the remote engine)
+    nan = t.clone()
+    nan[0, 0] = math.nan
+    assert fingerprint(nan) == fingerprint(nan.clone())  # diverged weights still compare (and differ from t's)
+    assert checksum(sample(torch.zeros(0))) == 0.0
+
+
+# ----- the torch engine, through WeightFlow and through a run -----
+def changed(state: dict[str, torch.Tensor], scale: float = 0.01, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in state.items()}
+
+
+class Weights(torch.nn.Module):
+    """A stand-in for the policy: ``buckets`` iterates its parameters by the names the engine serves."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        super().__init__()
+        self.state = {k: torch.nn.Parameter(v.clone()) for k, v in state.items()}
+
+    def named_parameters(self, *args, **kwargs):
+        return iter(self.state.items())
+
+
+def push(engine, state, version, bucket_bytes=2**30) -> WeightFlow:
+    flow = WeightFlow(engine)
+    flow.push(Weights(state), version, TRAINER, bucket_bytes)
+    return flow
+
+
+@pytest.fixture
+def torch_engine(policy_path):
+    engine = TorchEngine(seed=0)
+    engine.launch(policy_path)
+    yield engine
+    engine.release()
+
+
+@pytest.fixture
+def policy_state(torch_engine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in torch_engine.model.named_parameters()}
+
+
+def test_a_normal_sync_verifies_on_the_torch_engine(torch_engine, policy_state):
+    flow = push(torch_engine, changed(policy_state), 1, bucket_bytes=100_000)  # several buckets
+    flow.settle()
+    assert flow.verified and flow.metrics() == {"sync/verified": 1.0} and torch_engine.version == 1
+
+
+def test_a_load_that_silently_did_nothing_stops_with_the_tensor_version_and_engine(torch_engine, policy_state,
+                                                                                   monkeypatch):
+    monkeypatch.setattr(torch_engine, "_swap", lambda state: None)  # the load runs its checks, then swaps nothing
+    flow = push(torch_engine, changed(policy_state), 3)
+    with pytest.raises(WeightMismatch) as err:
+        flow.settle()
+    first = next(iter(policy_state))
+    assert err.value.tensor == first and err.value.version == 3 and err.value.engine == "TorchEngine"
+    message = str(err.value)
+    assert f"the engine TorchEngine does not serve the weights of version 3: {first} differs" in message
+    assert "verify_weights=False" in message and "stage -> load -> tag" in message
+    assert not flow.verified
+
+
+def test_a_version_tagged_without_a_load_stops_the_run(tmp_path, monkeypatch):
+    """A real run: the engine tags each version but never loads (the version counter moves, the weights do not);
+    the first sync that changes the weights (version 1) stops ``trainer.fit``."""
+    from test_loop import fit
+
+    engine = TorchEngine(seed=0)
+
+    async def tag_only():
+        engine._staged = {}
+
+    monkeypatch.setattr(engine, "load", tag_only)
+    with pytest.raises(WeightMismatch, match=r"the engine TorchEngine does not serve the weights of version 1: "
+                                             r"\S+ differs") as err:
+        fit(make_module(engine, group_size=2, prompts_per_step=2, max_lag=0, lr=1e-2), tmp_path, steps=3)
+    assert err.value.version == 1 and engine.version == 1  # tagged all the same: what the check exists for
+
+
+def test_a_normal_run_logs_sync_verified_and_the_switch_turns_it_off(tmp_path, caplog):
+    from test_loop import fit
+
+    _, df = fit(make_module(TorchEngine(seed=0), group_size=2, prompts_per_step=2, max_lag=1), tmp_path, steps=3)
+    assert (df["sync/verified"].dropna() == 1.0).all() and df["sync/verified"].notna().sum() == 3
+    module = make_module(TorchEngine(seed=0), group_size=2, prompts_per_step=2, verify_weights=False)
+    _, df = fit(module, tmp_path, steps=1, name="off")
+    assert "sync/verified" not in df and module.weights.verify is False
+
+
+def test_a_lora_adapter_never_loaded_stops_with_the_adapter_tensor(policy_path, monkeypatch):
+    from peft import get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from molt_lightning import lora
+
+    lm = lora.apply(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32), lora.LoraSpec(r=4))
+    adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(lm).items()}
+    engine = TorchEngine(seed=0)
+    engine.launch(policy_path, lora.adapter_of(lm))
+    try:
+        flow = push(engine, adapter, 0)
+        flow.settle()
+        assert flow.verified  # the fresh adapter (B = 0) is served
+        monkeypatch.setattr(engine, "_swap", lambda state: None)  # the adapter is never copied in
+        flow = push(engine, changed(adapter, 0.1), 1)
+        with pytest.raises(WeightMismatch, match=r"version 1: base_model\.model\..*\.lora_[AB]\.weight differs"):
+            flow.settle()
+    finally:
+        engine.release()
+
+
+def test_a_pool_checks_every_engine_and_names_the_one_that_failed(policy_path, policy_state, monkeypatch):
+    from molt_lightning.engines import EnginePool
+
+    engines = [TorchEngine(seed=0), TorchEngine(seed=0)]
+    pool = EnginePool(engines=engines)
+    pool.launch(policy_path)
+    try:
+        flow = push(pool, changed(policy_state), 1)
+        flow.settle()
+        assert flow.verified
+        monkeypatch.setattr(engines[1], "_swap", lambda state: None)
+        flow = push(pool, changed(policy_state, seed=1), 2)
+        with pytest.raises(WeightMismatch, match=r"the engine TorchEngine \(engine 2 of 2\) does not serve the "
+                                                 r"weights of version 2"):
+            flow.settle()
+    finally:
+        pool.release()
+
+
+def test_an_engine_without_fingerprints_is_not_verified_and_says_so(policy_path, caplog):
+    sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+    from scripted import ScriptedEngine
+
+    engine = ScriptedEngine([])
+    engine.launch(policy_path)
+    try:
+        flow = push(engine, {"w": torch.ones(3)}, 1)
+        flow.settle()
+        assert not flow.verified and flow.metrics() == {"sync/verified": 0.0}
+        assert "reports no fingerprints" in caplog.text
+    finally:
+        engine.release()
+
+
+# ----- real vLLM (the session's engine; one LoRA engine for this module) -----
+@pytest.fixture
+def policy_weights(policy_path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(policy_path) / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_vllm_serves_what_was_sent_read_through_its_kernels(vllm_engine, policy_weights):
+    """Every tensor, fused (q/k/v in qkv_proj, gate/up in gate_up_proj) and repacked ones included, reads back equal
+    to the trainer's fingerprint after a normal sync (``sync/verified`` 1)."""
+    try:
+        new = changed(policy_weights)
+        flow = push(vllm_engine, new, 5, bucket_bytes=200_000)
+        flow.settle()
+        assert flow.verified
+        served = vllm_engine.call(vllm_engine.fingerprints({k: tuple(v.shape) for k, v in new.items()}))
+        assert {k: p.checksum for k, p in served.items()} == {k: fingerprint(v).checksum for k, v in new.items()}
+        assert "qkv_proj.weight rows 128:256 (its kernel)" in served["model.layers.0.self_attn.k_proj.weight"].via
+    finally:
+        vllm_engine.call(vllm_engine.update_weights(policy_weights, 0))  # the session's engine goes back
+
+
+@pytest.mark.slow
+def test_vllm_dropped_bucket_and_tag_without_load_stop_with_the_tensor(vllm_engine, policy_weights, monkeypatch):
+    stage, staged = vllm_engine.stage, []
+
+    async def drop_second(bucket):  # the second bucket never reaches the engine
+        staged.append(list(bucket))
+        if len(staged) != 2:
+            await stage(bucket)
+
+    try:
+        monkeypatch.setattr(vllm_engine, "stage", drop_second)
+        flow = push(vllm_engine, changed(policy_weights), 6, bucket_bytes=200_000)
+        with pytest.raises(WeightMismatch) as err:
+            flow.settle()
+        assert err.value.tensor == staged[1][0] and err.value.version == 6 and err.value.engine == "VLLMEngine"
+        assert {name for name, _ in err.value.problems} <= set(staged[1])  # only the dropped bucket's tensors
+        monkeypatch.undo()
+
+        async def no_load():  # staged, tagged, never loaded
+            vllm_engine._staged = []
+
+        monkeypatch.setattr(vllm_engine, "load", no_load)
+        flow = push(vllm_engine, changed(policy_weights, seed=1), 7)
+        with pytest.raises(WeightMismatch, match="VLLMEngine does not serve the weights of version 7"):
+            flow.settle()
+    finally:
+        monkeypatch.undo()
+        vllm_engine.call(vllm_engine.update_weights(policy_weights, 0))
+
+
+@pytest.fixture(scope="module")
+def vllm_lora(policy_path):
+    """A LoRA-enabled vLLM engine (start-up 25-60 s) and the peft policy whose adapter it serves."""
+    pytest.importorskip("vllm")
+    from peft import get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from molt_lightning import lora
+    from molt_lightning.engines import VLLMEngine
+
+    lm = lora.apply(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32), lora.LoraSpec(r=8))
+    engine = VLLMEngine(seed=0)
+    engine.launch(policy_path, lora.adapter_of(lm))
+    yield engine, {k: v.detach().clone() for k, v in get_peft_model_state_dict(lm).items()}
+    engine.release()
+
+
+@pytest.mark.slow
+def test_vllm_lora_adapter_verified_and_one_never_loaded_stops(vllm_lora, monkeypatch):
+    engine, adapter = vllm_lora
+    flow = push(engine, changed(adapter, 0.1), 1)  # B != 0: vLLM folds alpha / r = 2 into it
+    flow.settle()
+    assert flow.verified
+    served = engine.call(engine.fingerprints({k: tuple(v.shape) for k, v in adapter.items()}))
+    assert all(p.scale == (2.0 if ".lora_B." in k else 1.0) for k, p in served.items())
+
+    async def never_loaded(tensors, version):  # the commit returns, the adapter of version 1 still serves
+        pass
+
+    monkeypatch.setattr(engine.adapters, "commit", never_loaded)
+    flow = push(engine, changed(adapter, 0.1, seed=1), 2)
+    with pytest.raises(WeightMismatch, match=r"VLLMEngine does not serve the weights of version 2: base_model\.model"
+                                             r"\..*lora_[AB]\.weight differs.*read at adapter \d+"):
+        flow.settle()
