@@ -17,12 +17,12 @@ Refused with an Anthropic-style error (``{"type": "error", "error": {"type", "me
 trajectory and counted like the OpenAI ones: ``temperature``/``top_p`` other than the run's, ``top_k``,
 ``stop_sequences``, ``thinking`` with a budget (``enabled``), ``output_config.format`` (structured outputs), a
 forced ``tool_choice`` (``any``/``tool``: constrained decoding), server tools (``web_search``, ``bash``, ...: they
-run on Anthropic's side), image/document blocks, and any other unknown field. Accepted and ignored, as they change
-nothing the policy samples: ``metadata``, ``service_tier``, ``cache_control`` (also on blocks and tools),
-``output_config.effort``, ``thinking`` ``disabled``/``adaptive``, ``speed``, ``inference_geo``, ``diagnostics``,
-``workspace_id``, ``user_profile_id``. ``max_tokens`` is required by the API and the SDK; omitted here, it means the
-rest of the context. (anthropic 2.x's ``messages.create`` no longer takes ``temperature``; harnesses that send it
-anyway must send the run's.)
+run on Anthropic's side), image/document blocks, a field or block of the wrong type (the message names it), and
+any other unknown field. Accepted and ignored, as they change nothing the policy samples: ``metadata``,
+``service_tier``, ``cache_control`` (also on blocks and tools), ``output_config.effort``, ``thinking``
+``disabled``/``adaptive``, ``speed``, ``inference_geo``, ``diagnostics``, ``workspace_id``, ``user_profile_id``.
+``max_tokens`` is required by the API and the SDK; omitted here, it means the rest of the context. (anthropic 2.x's
+``messages.create`` no longer takes ``temperature``; harnesses that send it anyway must send the run's.)
 
 The shapes are written by hand from Anthropic's API reference: no library translates this wire to a chat template.
 """
@@ -33,14 +33,18 @@ import json
 import uuid
 from typing import Any
 
-from .wire import RequestError, check_max_tokens, check_tools
+from .wire import RequestError, check_fields, check_max_tokens, check_tools, need, short, text_of
 
-_ALLOWED = {"model", "messages", "system", "max_tokens", "tools", "tool_choice", "temperature", "top_p", "top_k",
-            "stop_sequences", "stream", "thinking", "output_config",
-            # no effect on sampling: accepted and ignored
-            "metadata", "service_tier", "cache_control", "diagnostics", "inference_geo", "speed", "workspace_id",
-            "user_profile_id"}
-_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 500: "api_error"}
+_FIELDS = {  # every field a request may hold, with its type; any other field is refused
+    "model": "a string", "messages": "a list", "system": "any JSON value", "max_tokens": "an integer",
+    "tools": "a list", "tool_choice": "any JSON value", "temperature": "a number", "top_p": "a number",
+    "top_k": "an integer", "stop_sequences": "a list", "stream": "a boolean", "thinking": "an object",
+    "output_config": "an object",
+    # no effect on sampling: accepted and ignored
+    "metadata": "an object", "service_tier": "a string", "cache_control": "an object", "diagnostics": "any JSON value",
+    "inference_geo": "a string", "speed": "a string", "workspace_id": "a string", "user_profile_id": "a string"}
+_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "request_too_large", 500: "api_error"}
 
 
 def _refuse(message: str, param: str, code: str = "unsupported_value") -> RequestError:
@@ -49,47 +53,45 @@ def _refuse(message: str, param: str, code: str = "unsupported_value") -> Reques
 
 def _text(content: Any, where: str) -> str:
     """A string, or text blocks joined; anything else (images, documents) is refused."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError(400, f"{where} must be a string or a list of content blocks", where)
-    if any(not isinstance(b, dict) or b.get("type") != "text" for b in content):
-        raise _refuse(f"{where}: only text blocks are supported here (no images or documents)", where,
-                      "unsupported_content")
-    return "".join(str(b.get("text", "")) for b in content)
+    return text_of(content, where, "text blocks")
 
 
 def _conversation(body: dict) -> list[dict]:
     """The Anthropic conversation as Hugging Face chat messages (tool-call arguments as dicts)."""
     out = []
-    if body.get("system"):
-        out.append({"role": "system", "content": _text(body["system"], "system")})
+    if body.get("system") is not None:
+        system = _text(body["system"], "system")
+        out += [{"role": "system", "content": system}] if system else []
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(400, "messages must be a non-empty list", "messages")
+    need(isinstance(messages, list) and bool(messages), "messages",
+         "a non-empty list of {'role': 'user' or 'assistant', 'content': ...}", messages)
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise RequestError(400, f"{where} needs a role of user or assistant (the system prompt is `system`)",
-                               where)
+        need(isinstance(m, dict), where, "an object like {'role': 'user', 'content': '...'}", m)
+        need(m.get("role") in ("user", "assistant"), f"{where}.role",
+             "user or assistant (the system prompt is the request's `system`)", m.get("role"))
         blocks = m.get("content")
         blocks = [{"type": "text", "text": blocks}] if isinstance(blocks, str) else blocks
-        if not isinstance(blocks, list):
-            raise RequestError(400, f"{where}.content must be a string or a list of content blocks", where)
+        need(isinstance(blocks, list), f"{where}.content", "a string or a list of content blocks", blocks)
         texts, calls = [], []
         for j, b in enumerate(blocks):
-            kind = b.get("type") if isinstance(b, dict) else None
+            at = f"{where}.content[{j}]"
+            need(isinstance(b, dict), at, "a content block like {'type': 'text', 'text': '...'}", b)
+            kind = b.get("type")
             if kind == "text":
-                texts.append(str(b.get("text", "")))
+                need(isinstance(b.get("text"), str), f"{at}.text", "a string", b.get("text"))
+                texts.append(b["text"])
             elif kind == "tool_use" and m["role"] == "assistant":
-                calls.append({"type": "function", "function": {"name": str(b.get("name", "")),
-                                                               "arguments": b.get("input") or {}}})
+                need(isinstance(b.get("name"), str), f"{at}.name", "a string (the tool's name)", b.get("name"))
+                need(b.get("input") is None or isinstance(b["input"], dict), f"{at}.input",
+                     "an object (the tool's arguments)", b.get("input"))
+                calls.append({"type": "function", "function": {"name": b["name"], "arguments": b.get("input") or {}}})
             elif kind == "tool_result" and m["role"] == "user":
-                out.append({"role": "tool", "content": _text(b.get("content", ""), f"{where}.content[{j}].content")})
+                out.append({"role": "tool", "content": _text(b.get("content", ""), f"{at}.content")})
             else:
-                raise _refuse(f"{where}.content[{j}]: a {kind!r} block is not supported in a {m['role']} message "
-                              "(text, tool_use from the assistant, tool_result from the user)",
-                              f"{where}.content[{j}]", "unsupported_content")
+                raise _refuse(f"{at}: a {short(kind)} block is not supported in a {m['role']} message "
+                              "(text, tool_use from the assistant, tool_result from the user)", at,
+                              "unsupported_content")
         if m["role"] == "assistant":
             out.append({"role": "assistant", "content": "".join(texts), **({"tool_calls": calls} if calls else {})})
         elif texts or not any(isinstance(b, dict) and b.get("type") == "tool_result" for b in blocks):
@@ -100,17 +102,17 @@ def _conversation(body: dict) -> list[dict]:
 def _function_tools(tools: Any) -> list | None:
     if tools is None:
         return None
-    if not isinstance(tools, list):
-        raise RequestError(400, "tools must be a list of {'name', 'description', 'input_schema'}", "tools")
+    need(isinstance(tools, list), "tools", "a list of {'name', 'description', 'input_schema'}", tools)
     out = []
     for i, t in enumerate(tools):
         if isinstance(t, dict) and t.get("type") not in (None, "custom"):
-            raise _refuse(f"tools[{i}]: the server tool {t.get('type')!r} runs on Anthropic's side and is not "
+            raise _refuse(f"tools[{i}]: the server tool {short(t.get('type'))} runs on Anthropic's side and is not "
                           "available here; define it as a client tool (name, description, input_schema) and run it "
                           "in your agent", f"tools[{i}]", "unsupported_tool")
-        if not isinstance(t, dict) or not isinstance(t.get("input_schema"), dict):
-            raise RequestError(400, f"tools[{i}] is malformed: expected {{'name': str, 'description': str, "
-                                    "'input_schema': JSON schema object}", f"tools[{i}]", "invalid_tool_schema")
+        if (not isinstance(t, dict) or not isinstance(t.get("input_schema"), dict)
+                or not isinstance(t.get("description", ""), str)):
+            raise RequestError(400, f"tools[{i}] is malformed ({short(t)}): expected {{'name': str, 'description': "
+                                    "str, 'input_schema': JSON schema object}", f"tools[{i}]", "invalid_tool_schema")
         out.append({"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
                                                      "parameters": t["input_schema"]}})
     return out
@@ -126,31 +128,29 @@ class _AnthropicWire:
 
     @staticmethod
     def parse(body: dict, client) -> tuple[list[dict], list | None, int | None]:
-        unknown = sorted(set(body) - _ALLOWED)
-        if unknown:
-            raise _refuse(f"unsupported field(s) {unknown}: the run trains on what the policy samples at its own "
-                          "settings, so fields that change sampling or need Anthropic's servers are refused",
-                          unknown[0], "unsupported_parameter")
+        check_fields(body, _FIELDS, "the run trains on what the policy samples at its own settings, so fields "
+                                    "that change sampling or need Anthropic's servers (and ones this endpoint does "
+                                    "not know) are refused")
         if body.get("top_k") is not None:
             raise _refuse("top_k changes sampling and is not supported; omit it", "top_k")
         if body.get("stop_sequences"):
             raise _refuse("stop_sequences would cut the policy's reply short of what it sampled; omit them",
                           "stop_sequences")
         thinking = body.get("thinking")
-        if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") not in ("disabled",
-                                                                                                  "adaptive")):
+        if thinking is not None and thinking.get("type") not in ("disabled", "adaptive"):
             raise _refuse("extended thinking with a budget is not supported: the policy's reasoning is whatever its "
                           "chat template renders; omit `thinking` (or use adaptive)", "thinking")
         if (body.get("output_config") or {}).get("format"):
             raise _refuse("output_config.format (structured outputs) needs constrained decoding, which would change "
                           "what the policy samples; omit it", "output_config")
         choice = body.get("tool_choice")
-        kind = choice.get("type") if isinstance(choice, dict) else choice
-        if kind not in (None, "auto", "none"):
-            raise _refuse(f"tool_choice {kind!r} is not supported (forcing a tool needs constrained decoding); use "
-                          "auto or none", "tool_choice")
+        kind = choice.get("type", "(no type)") if isinstance(choice, dict) else choice
+        if kind not in (None, "auto", "none") or (isinstance(choice, dict) and kind is None):
+            raise _refuse(f"tool_choice {short(kind)} is not supported (forcing a tool needs constrained decoding); "
+                          "use auto or none", "tool_choice")
         tools = check_tools(_function_tools(body.get("tools")), kind, client)
-        return _conversation(body), tools, check_max_tokens(body.get("max_tokens"))
+        max_tokens = check_max_tokens(body.get("max_tokens"), "max_tokens", client.max_context)
+        return _conversation(body), tools, max_tokens
 
     @staticmethod
     def error_body(err: RequestError) -> dict:
