@@ -23,6 +23,7 @@ is ours (no library offers it).
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 from .vision import ImageInputs, encode, images_in
@@ -65,6 +66,19 @@ class ChatTemplate:
     @property
     def response_template(self) -> dict | None:
         return getattr(self.tokenizer, "response_template", None)
+
+    @cached_property
+    def longest_token(self) -> int:
+        """The most characters one token stands for (the longest vocabulary string: a byte-level token's string has
+        a character per byte, a special token its whole text)."""
+        ids = list(range(len(self.tokenizer)))
+        return max(1, max((len(t) for t in self.tokenizer.convert_ids_to_tokens(ids) if t), default=1))
+
+    def min_tokens(self, messages: list[Message]) -> int:
+        """At least how many tokens ``messages`` render to, without rendering them: their text over
+        ``longest_token`` (a tokenizer whose normalizer collapses whitespace could beat it; chat LMs' do not). The
+        endpoint refuses a conversation that cannot fit the context with it, before a multi-megabyte render."""
+        return sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)) // self.longest_token
 
     def render(self, messages: list[Message], add_generation_prompt: bool = False, tools: list | None = None) -> str:
         return self.tokenizer.apply_chat_template(

@@ -221,6 +221,12 @@ class Endpoint:
                                         f"{self.model_names}", "model", "model_not_found")
             check_sampling(body, client.temperature)
             messages, tools, max_tokens = wire.parse(body, client)
+            floor = client.template.min_tokens(messages)  # a 4 MB conversation is refused before it is rendered
+            if floor + (max_tokens or 1) > client.max_context:
+                raise RequestError(400, f"the conversation is at least {floor:,} tokens (its text over the longest "
+                                        f"token), past this run's context of {client.max_context} tokens: shorten it "
+                                        "(cut long tool results, drop old turns)", "messages",
+                                   "context_length_exceeded")
             async with client.lock:
                 kept = _record_of(client)
                 try:
@@ -259,7 +265,8 @@ class Endpoint:
             got = f"{int(size):,} bytes" if size.isdigit() else f"over {self.max_body:,} bytes"
             raise RequestError(413, f"the request body is {got}, more than this endpoint takes ({self.max_body:,} "
                                     "bytes): shorten the conversation or its tool results, or raise the limit "
-                                    "(Endpoint.MAX_BODY, or Endpoint(max_body=...))", None, "request_too_large")
+                                    "(molt_lightning.endpoint.Endpoint.MAX_BODY = ... before the run starts)", None,
+                                   "request_too_large")
         return b"".join(chunks)
 
 

@@ -436,6 +436,25 @@ def test_the_default_limit_is_a_few_megabytes(served):
         served.endpoint.max_body = LIMIT
 
 
+@pytest.mark.parametrize("path", [CHAT, MESSAGES])
+def test_a_conversation_that_cannot_fit_is_refused_before_it_is_rendered(served, path):
+    """3 MB of tool result under the 4 MiB limit: refused by its length alone (at least characters / longest token),
+    not after rendering and tokenizing it on the engine's loop (seconds, while every agent of the run waits)."""
+    served.endpoint.max_body = Endpoint.MAX_BODY
+    try:
+        body = json.loads(json.dumps(OPENAI if path == CHAT else ANTHROPIC))
+        huge = "408 " * (3 << 18)
+        if path == CHAT:
+            body["messages"][3]["content"] = huge
+        else:
+            body["messages"][2]["content"][0]["content"] = huge
+        status, answer = served.send("POST", path, json.dumps(body).encode())
+    finally:
+        served.endpoint.max_body = LIMIT
+    message = check_refused(served, path, status, answer)
+    assert "at least" in message and "context" in message
+
+
 @FUZZ
 @given(st.sampled_from([CHAT, MESSAGES]), st.one_of(st.none(), st.text(
     st.characters(min_codepoint=33, max_codepoint=126), max_size=30)), st.binary(max_size=200))
