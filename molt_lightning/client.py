@@ -124,16 +124,17 @@ class AgentClient:
                        images: ImageInputs | None = None) -> Generation:
         """Append ``context_ids`` (and the ``images`` its image tokens stand for), then sample up to ``max_tokens``
         tokens (``None``: up to ``max_context``) continuing the whole segment."""
-        self.add_context(context_ids or [], images)
-        prompt = self.tokens
-        if not prompt:
+        n = len(self.tokens) + len(context_ids or [])  # checked before the context is appended: a refused call
+        if not n:  # leaves the trajectory as it was
             raise ValueError("generate needs context: pass the prompt token ids")
-        max_tokens = self.max_context - len(prompt) if max_tokens is None else max_tokens
-        if max_tokens < 1 or len(prompt) + max_tokens > self.max_context:
+        max_tokens = self.max_context - n if max_tokens is None else max_tokens
+        if max_tokens < 1 or n + max_tokens > self.max_context:
             raise ContextOverflow(
-                f"segment of {len(prompt)} tokens + max_tokens {max_tokens} exceeds max_context {self.max_context}; "
+                f"segment of {n} tokens + max_tokens {max_tokens} exceeds max_context {self.max_context}; "
                 "start a new segment, shorten the context, or raise max_context"
             )
+        self.add_context(context_ids or [], images)
+        prompt = self.tokens
         seed = None if self.seed is None else self.seed + self._requests
         self._requests += 1
         t = self.trajectory  # route_key: an engine pool sends every turn of this trajectory to one engine

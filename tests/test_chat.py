@@ -104,3 +104,17 @@ def test_fast_encode_equals_the_tokenizers_own_call(policy):
              t.render([{"role": "user", "content": "x"}], add_generation_prompt=True)]
     for text in texts:
         assert t.encode(text) == tok(text, add_special_tokens=False)["input_ids"], text
+
+
+def test_a_refused_generate_leaves_the_trajectory_as_it_was(tokenizer):
+    from molt_lightning.client import ContextOverflow
+
+    t = ChatTemplate(tokenizer)
+    engine = ScriptedEngine([t.encode("ANSWER 2") + [t.eos_id]], version=1)
+    traj = Trajectory(sample_id=0, group_id=0)
+    client = AgentClient(engine, traj, t, temperature=1.0, max_context=16)
+    with pytest.raises(ContextOverflow, match="segment of 12 tokens \\+ max_tokens 8 exceeds max_context 16"):
+        asyncio.run(client.generate(list(range(12)), max_tokens=8))
+    assert traj.segments == [[]] and engine.prompts == []  # no prompt-only span, no engine call
+    asyncio.run(client.generate(list(range(4)), max_tokens=8))  # the agent shortens its context and goes on
+    assert [s.kind for s in traj.segments[-1]] == [Kind.PROMPT, Kind.POLICY]
