@@ -297,3 +297,25 @@ def test_vllm_lora_adapter_verified_and_one_never_loaded_stops(vllm_lora, monkey
     with pytest.raises(WeightMismatch, match=r"VLLMEngine does not serve the weights of version 2: base_model\.model"
                                              r"\..*lora_[AB]\.weight differs.*read at adapter \d+"):
         flow.settle()
+
+
+@pytest.mark.slow
+def test_remote_engine_verifies_over_http_and_names_its_server(remote_engine, policy_weights, monkeypatch):
+    """The same worker method behind ``/collective_rpc`` (fingerprints as JSON): a normal sync verifies, a load that
+    never reaches the server stops naming the server's address."""
+    try:
+        flow = push(remote_engine, changed(policy_weights, seed=2), 8)
+        flow.settle()
+        assert flow.verified
+
+        async def never_posted(payload):
+            pass
+
+        monkeypatch.setattr(remote_engine, "_load", never_posted)
+        flow = push(remote_engine, changed(policy_weights, seed=3), 9)
+        with pytest.raises(WeightMismatch, match=rf"the engine at {remote_engine.url} does not serve the weights of "
+                                                 r"version 9"):
+            flow.settle()
+    finally:
+        monkeypatch.undo()
+        remote_engine.call(remote_engine.update_weights(policy_weights, 0))
