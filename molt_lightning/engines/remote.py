@@ -234,6 +234,8 @@ class RemoteVLLMEngine(RolloutEngine):
         """Read in the server's worker, as ``VLLMEngine`` reads them (``vllm_worker.molt_fingerprints``)."""
         wire = (await self._rpc("molt_fingerprints", {k: list(v) for k, v in shapes.items()},
                                 timeout=self.weight_timeout_s))[0]
+        if not isinstance(wire, dict):  # a server whose worker extension predates fingerprints: unverified
+            raise NotImplementedError(f"the server at {self.url} answered molt_fingerprints with {wire!r}")
         return {name: Print.from_wire(w) for name, w in wire.items()}
 
     async def weight_checksums(self) -> dict[str, float]:
