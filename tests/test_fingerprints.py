@@ -153,6 +153,16 @@ def test_a_normal_run_logs_sync_verified_and_the_switch_turns_it_off(tmp_path, c
     assert "sync/verified" not in df and module.weights.verify is False
 
 
+def test_fsdp2_syncs_verify_bucket_by_bucket(tmp_path):
+    """Two FSDP2 ranks, 1 MiB buckets (each all-gathered, then sampled by rank 0 as it stages it): every sync of a
+    real run is verified."""
+    from test_distributed import fit, metrics
+
+    fit(tmp_path, "fsdp2", steps=2, max_lag=0, bucket_mb=1)
+    df = metrics(tmp_path, "run")
+    assert (df["sync/verified"].dropna() == 1.0).all() and df["sync/verified"].notna().sum() == 2
+
+
 def test_a_lora_adapter_never_loaded_stops_with_the_adapter_tensor(policy_path, monkeypatch):
     from peft import get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
@@ -319,3 +329,37 @@ def test_remote_engine_verifies_over_http_and_names_its_server(remote_engine, po
     finally:
         monkeypatch.undo()
         remote_engine.call(remote_engine.update_weights(policy_weights, 0))
+
+
+@pytest.mark.slow
+def test_vllm_moe_experts_are_unverified_and_everything_else_verifies(caplog):
+    """A mixture-of-experts policy on vLLM: the CPU MoE kernel repacks the expert weights in place, so they are not
+    read back (one warning, ``sync/verified`` 0: no false alarm); every other tensor (the routers included, through
+    their kernels) is, and a load that did nothing is still caught."""
+    from safetensors.torch import load_file
+
+    from molt_lightning.engines import VLLMEngine
+    from molt_lightning.models.tiny import moe_policy
+
+    path = moe_policy()
+    state = load_file(str(Path(path) / "model.safetensors"))
+    engine = VLLMEngine(seed=0)
+    engine.launch(path)
+    try:
+        flow = push(engine, changed(state), 1)
+        flow.settle()
+        assert not flow.verified and "expert weights are not read back" in caplog.text
+        served = engine.call(engine.fingerprints({k: tuple(v.shape) for k, v in state.items()}))
+        unread = {k for k, p in served.items() if p.checksum is None}
+        assert unread == {k for k in state if ".experts." in k} and unread
+        assert any(".mlp.gate." in k for k in served.keys() - unread)  # a router, read through its kernel
+
+        async def no_load():
+            engine._staged = []
+
+        engine.load = no_load
+        flow = push(engine, changed(state, seed=1), 2)
+        with pytest.raises(WeightMismatch, match="VLLMEngine does not serve the weights of version 2"):
+            flow.settle()
+    finally:
+        engine.release()

@@ -10,10 +10,9 @@ A fingerprint is a tensor's shape, its dtype and a checksum over a fixed sample 
 tensor of that shape: the tensor seen as rows x columns (its first dimension x the rest), ``COLS`` columns and
 ``SAMPLES / COLS`` rows (all of them when there are fewer; a tensor with few rows gets more columns), the first and
 the last of each included, the others one in each equal stretch at a hashed offset, so no row length aliases the
-sample onto one column: ``min(numel, SAMPLES)`` elements. The checksum is
-``sum((i + 1) * x_i)`` over the samples in their order, exact in float64 (``math.fsum``; a float32 value times a
-weight below 2**9 is exact), so it is the same on every machine and device, and one changed sample or two swapped ones
-change it. Few columns, many rows: an engine whose linear layers are repacked for its kernels (vLLM on the CPU) reads
+sample onto one column: ``min(numel, SAMPLES)`` elements. The checksum is ``sum((i + 1) * x_i)`` over the samples in
+their order, exact in float64 (``math.fsum``; a float32 value times a weight below 2**9 is exact), so it is the same
+on every machine and device, and one changed sample or two swapped ones change it. Few columns, many rows: an engine whose linear layers are repacked for its kernels (vLLM on the CPU) reads
 the samples back through the kernel itself, one probe input per column (``vllm_worker``).
 
 Dtypes: an engine may serve another dtype than the trainer's (float32 trained, bfloat16 served), so the trainer keeps
@@ -21,7 +20,9 @@ its sampled values (``Sample``) and checks them cast to the dtype the engine rep
 cast them.
 
 Written by hand (a few dozen lines) because both sides must compute the same numbers from the same code, and the
-vLLM worker process imports only this package's ``engines``: nothing here needs more than torch.
+vLLM worker process imports only this package's ``engines``: nothing here needs more than torch. A hash of the bytes
+(hashlib) would need every byte of every tensor on both sides, and could follow neither a cast nor a read through a
+kernel; a sampled, exactly summed checksum does both for a few hundred elements a tensor.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from functools import lru_cache
 import torch
 
 SAMPLES = 256  # elements per tensor at most
-COLS = 4  # columns of the rows x columns view at most (an engine that probes its kernels runs one input per column)
+COLS = 4  # columns sampled (more for a tensor with few rows); an engine probing its kernels runs one input per column
 
 
 @dataclass(frozen=True)

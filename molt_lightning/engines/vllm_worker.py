@@ -266,15 +266,16 @@ class _Served:
 
         from .fingerprint import Print, checksum, dtype_name, grid
 
-        where, dtype = self.locate(name), dtype_name(self.dtype)
+        dtype = dtype_name(self.dtype)
+        if ".experts." in name:  # HF's fused experts.gate_up_proj / down_proj, or per-expert tensors
+            return Print(shape, dtype, None, "expert weights are not read back (repacked by the CPU MoE kernel)")
+        where = self.locate(name)
         if where == "dropped":
             return Print(shape, dtype, None, "vLLM's loader drops this weight")
         param = getattr(where[1], where[2], None) if where else None
         if not isinstance(param, torch.Tensor):
             return None
         path, m, pname, first = where
-        if path.endswith(".experts") or ".experts." in path:
-            return Print(shape, dtype, None, "expert weights are not read back (repacked by the CPU MoE kernel)")
         if getattr(m, "tp_size", 1) > 1:
             return Print(shape, dtype, None, "tensor-parallel shards are not read back")
         rows, cols = grid(shape)
@@ -301,8 +302,9 @@ class _Served:
 
         from .fingerprint import Print, dtype_name
 
-        k = getattr(m, "input_size_per_partition", None) or getattr(m, "embedding_dim", None)
-        n = getattr(m, "output_size_per_partition", None) or getattr(m, "num_embeddings_per_partition", None)
+        k, n = (next((v for a in names if (v := getattr(m, a, None)) is not None), None) for names in (
+            ("input_size_per_partition", "embedding_dim", "input_size"),  # column/row-parallel, head, replicated
+            ("output_size_per_partition", "num_embeddings_per_partition", "output_size")))
         if len(shape) != 2 or shape[1] != k or first + shape[0] > n:
             return Print((n, k), dtype_name(self.dtype), None, f"the served layer is ({n}, {k}) from row {first}")
         out = self.probed.get((id(m), cols))
