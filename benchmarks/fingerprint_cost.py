@@ -1,5 +1,5 @@
-"""What the weight fingerprints cost (``engines.fingerprint``): per sync, on the trainer's side and the engine's, against
-the sync itself and a training step.
+"""What the weight fingerprints cost (``engines.fingerprint``): per sync, on the trainer's side and the engine's,
+against the sync itself and a training step.
 
 For each policy (the tiny default; SmolLM2-135M-Instruct when its GGUF package is installed, else a line saying why
 not) and engine (``TorchEngine``; ``VLLMEngine`` in-process, one core), medians of ``--repeats``:

@@ -12,8 +12,9 @@ tensor of that shape: the tensor seen as rows x columns (its first dimension x t
 the last of each included, the others one in each equal stretch at a hashed offset, so no row length aliases the
 sample onto one column: ``min(numel, SAMPLES)`` elements. The checksum is ``sum((i + 1) * x_i)`` over the samples in
 their order, exact in float64 (``math.fsum``; a float32 value times a weight below 2**9 is exact), so it is the same
-on every machine and device, and one changed sample or two swapped ones change it. Few columns, many rows: an engine whose linear layers are repacked for its kernels (vLLM on the CPU) reads
-the samples back through the kernel itself, one probe input per column (``vllm_worker``).
+on every machine and device, and one changed sample or two swapped ones change it. Few columns, many rows: an engine
+whose linear layers are repacked for its kernels (vLLM on the CPU) reads the samples back through the kernel itself,
+one probe input per column (``vllm_worker``).
 
 Dtypes: an engine may serve another dtype than the trainer's (float32 trained, bfloat16 served), so the trainer keeps
 its sampled values (``Sample``) and checks them cast to the dtype the engine reports, exactly as the engine's own load
