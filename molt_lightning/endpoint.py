@@ -18,15 +18,16 @@ distribution, so another one would make its importance weights wrong). Everythin
 (``stop``, ``logit_bias``, ``response_format``, forced tool choice, ``n>1``, images) is refused with an OpenAI-style
 400 naming the parameter. Every refused request is also recorded in its trajectory (``info["endpoint_errors"]``) and
 counted in the step metrics (``agent/endpoint_error/<code>``). Both wires share all of this (``_turn``); each only
-parses its request into chat messages and tools and shapes the reply and its errors.
+parses its request into chat messages and tools and shapes the reply and its errors (``openai_chat``,
+``anthropic_messages``).
 
 Bad input is answered, never crashed on and never trained on: a body past ``max_body`` (4 MiB by default) gets 413; a
 body that is not a UTF-8 JSON object (truncated, NaN, nested too deeply, lone surrogates), a field of the wrong type,
 an unknown field, garbage inside a message, tool or block, and a conversation the chat template refuses get 400 naming
 the field and the fix; unknown routes and methods get 404/405 in the wire's error shape. A turn that fails after
 checking (a context overflow, a template error) is undone: the trajectory keeps no token, span or segment break of it.
-Unknown fields are refused (they might change sampling); the fields accepted and ignored are listed in ``_FIELDS``
-and in docs/agents.md. Message keys other than ``role``, ``content`` and ``tool_calls`` are ignored.
+Unknown fields are refused (they might change sampling); the fields accepted and ignored are listed in
+``openai_chat._FIELDS`` (``anthropic_messages._FIELDS``) and in docs/agents.md. Message keys other than ``role``, ``content`` and ``tool_calls`` are ignored.
 
 The HTTP layer is Starlette on uvicorn (both come with vLLM); request validation and the OpenAI response shapes are
 written here by hand: they are the part no library offers without pulling in a serving engine.
@@ -35,34 +36,20 @@ written here by hand: they are the part no library offers without pulling in a s
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import re
 import secrets
 import socket
-import time
-import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from . import openai_chat
 from .trajectory import ContextOverflow
-from .wire import (RequestError, check_fields, check_max_tokens, check_sampling, check_tools, lone_surrogate, need,
-                   short, text_of)
+from .wire import RequestError, check_sampling, json_object, need, short
 
 if TYPE_CHECKING:
     from .client import AgentClient
 
 log = logging.getLogger("molt_lightning.endpoint")
-_FIELDS = {  # every field a chat completion request may hold, with its type; any other field is refused
-    "model": "a string", "messages": "a list", "tools": "a list", "tool_choice": "any JSON value",
-    "max_tokens": "an integer", "max_completion_tokens": "an integer", "n": "an integer", "stream": "a boolean",
-    "temperature": "a number", "top_p": "a number", "logprobs": "a boolean", "frequency_penalty": "a number",
-    "presence_penalty": "a number",
-    # accepted and ignored: they change nothing the policy samples
-    "stream_options": "an object", "user": "a string", "seed": "an integer", "parallel_tool_calls": "a boolean",
-    "metadata": "an object", "store": "a boolean", "service_tier": "a string", "prompt_cache_key": "a string",
-    "safety_identifier": "a string"}
 _ROUTES = "POST /v1/chat/completions, POST /v1/messages, GET /v1/models and GET /v1/models/{model}"
-_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate (paired, or a lone one)
 _MAX_ERRORS = 100  # endpoint_errors kept per trajectory (the counter counts them all)
 
 
@@ -183,7 +170,7 @@ class Endpoint:
 
         from . import anthropic_messages
 
-        wire = anthropic_messages.WIRE if request.url.path.startswith("/v1/messages") else _OPENAI
+        wire = anthropic_messages.WIRE if request.url.path.startswith("/v1/messages") else openai_chat.WIRE
         what = "route" if exc.status_code == 404 else "method for"
         err = RequestError(exc.status_code, f"no {what} {request.method} {short(request.url.path)}: this endpoint "
                                             f"serves {_ROUTES} (legacy completions, embeddings and the rest of the "
@@ -192,7 +179,7 @@ class Endpoint:
         return JSONResponse(wire.error_body(err), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     async def _chat(self, request):
-        return await self._turn(request, _OPENAI)
+        return await self._turn(request, openai_chat.WIRE)
 
     async def _messages(self, request):
         from . import anthropic_messages
@@ -213,7 +200,7 @@ class Endpoint:
                                         "as openai.AsyncOpenAI(api_key=client.api_key) or anthropic.AsyncAnthropic("
                                         "api_key=client.api_key)); a finished run's key is no longer valid",
                                    code="invalid_api_key", kind="authentication_error")
-            body = _json_object(raw)
+            body = json_object(raw)
             model = body.get("model")
             need(isinstance(model, str), "model", f"a string naming one of {self.model_names}", model)
             if model not in self.model_names:
@@ -270,134 +257,8 @@ class Endpoint:
         return b"".join(chunks)
 
 
-class _OpenAIWire:
-    """``POST /v1/chat/completions``: OpenAI's request, response, stream and error shapes."""
-
-    @staticmethod
-    def api_key(request) -> str:
-        return request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-
-    @staticmethod
-    def parse(body: dict, client: AgentClient) -> tuple[list[dict], list | None, int | None]:
-        check_fields(body, _FIELDS, "the run trains on what the policy samples at its own settings, so parameters "
-                                    "that change sampling (and ones this endpoint does not know) are refused")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if body.get(name):
-                raise RequestError(400, f"{name} changes sampling and is not supported; omit it", name,
-                                   "unsupported_value")
-        if body.get("logprobs"):
-            raise RequestError(400, "logprobs are not returned here (the trainer keeps the engine's own); omit "
-                                    "logprobs", "logprobs", "unsupported_value")
-        if body.get("n") not in (None, 1):
-            raise RequestError(400, "n must be 1: the run samples the group itself (model.group_size)", "n",
-                               "unsupported_value")
-        max_tokens = check_max_tokens(body.get("max_tokens"), "max_tokens", client.max_context)  # None: the rest
-        max_tokens = check_max_tokens(body.get("max_completion_tokens"), "max_completion_tokens",
-                                      client.max_context) or max_tokens  # the newer name wins
-        tools = check_tools(body.get("tools"), body.get("tool_choice"), client)
-        messages = body.get("messages")
-        need(isinstance(messages, list) and bool(messages), "messages",
-             "a non-empty list of {'role': ..., 'content': ...}", messages)
-        return [hf_message(m, i) for i, m in enumerate(messages)], tools, max_tokens
-
-    @staticmethod
-    def error_body(err: RequestError) -> dict:
-        return err.body()
-
-    @staticmethod
-    def respond(body: dict, message: dict, out, prompt_tokens: int):
-        from starlette.responses import JSONResponse, StreamingResponse
-
-        reply = _openai_message(message)
-        finish = "tool_calls" if reply.get("tool_calls") else out.finish_reason
-        created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:16]}"
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(out.token_ids),
-                 "total_tokens": prompt_tokens + len(out.token_ids)}
-        if body.get("stream"):
-            return StreamingResponse(_chunks(cid, created, body["model"], reply, finish),
-                                     media_type="text/event-stream")
-        return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": body["model"],
-                             "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": None}],
-                             "usage": usage})
-
-
-_OPENAI = _OpenAIWire()
-
-
-def hf_message(m: Any, i: int) -> dict:
-    """An OpenAI chat message as the Hugging Face chat template expects it (tool-call arguments as dicts). Keys other
-    than ``role``, ``content`` and ``tool_calls`` (``name``, ``tool_call_id``, ``refusal``, ...) are ignored."""
-    where = f"messages[{i}]"
-    need(isinstance(m, dict), where, "an object like {'role': 'user', 'content': '...'}", m)
-    role, content, calls = m.get("role"), m.get("content"), m.get("tool_calls")
-    need(role in ("system", "developer", "user", "assistant", "tool"), f"{where}.role",
-         "one of system, developer, user, assistant or tool", role)
-    if content is None and role == "assistant":  # an assistant turn that only calls tools
-        content = ""
-    out = {"role": "system" if role == "developer" else role,
-           "content": text_of(content, f"{where}.content", "content parts")}
-    if calls is not None:
-        need(isinstance(calls, list) and (role == "assistant" or not calls), f"{where}.tool_calls",
-             "a list, on an assistant message", calls)
-        if calls:
-            out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)]
-    return out
-
-
-def _tool_call(call: Any, where: str) -> dict:
-    """An OpenAI tool call (arguments as a JSON string) in the Hugging Face form (arguments as an object)."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    need(isinstance(fn, dict) and isinstance(fn.get("name"), str), where,
-         "{'type': 'function', 'function': {'name': str, 'arguments': a JSON object as a string}}", call)
-    args = fn.get("arguments")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else None
-        except ValueError:
-            raise RequestError(400, f"{where}.function.arguments is not JSON: {short(args)}: send the arguments the "
-                                    "reply carried, a JSON object as a string", f"{where}.function.arguments",
-                               "invalid_type") from None
-    need(args is None or isinstance(args, dict), f"{where}.function.arguments", "a JSON object (as a string)", args)
-    bad = lone_surrogate(args)
-    need(bad is None, f"{where}.function.arguments", "Unicode text", args, f"{bad} holds a lone UTF-16 surrogate")
-    return {"type": "function", "function": {"name": fn["name"], "arguments": args or {}}}
-
-
 def _model_card(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "molt-lightning"}
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON (use a finite number)")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise ValueError(f"the number {text[:40]} is out of range")
-    return value
-
-
-def _json_object(raw: bytes) -> dict:
-    """The request body as a JSON object; refused (400) unless it is one, in UTF-8, with finite numbers and Unicode
-    strings."""
-    if not raw.strip():
-        raise RequestError(400, 'the request body is empty: send a JSON object, e.g. {"model": "policy", '
-                                '"messages": [...]}', None, "invalid_json")
-    try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
-    except RecursionError:
-        raise RequestError(400, "the request body nests JSON too deeply to parse: flatten it", None,
-                           "invalid_json") from None
-    except ValueError as e:  # UnicodeDecodeError is one
-        raise RequestError(400, f"the request body is not JSON ({str(e)[:120]}): send a JSON object encoded as "
-                                "UTF-8", None, "invalid_json") from None
-    need(isinstance(body, dict), "the request body", "a JSON object", body)
-    where = lone_surrogate(body) if _SURROGATE.search(raw) else None
-    if where is not None:
-        raise RequestError(400, f"{where} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its "
-                                "pair): no Unicode text; send valid Unicode", where, "invalid_type")
-    return body
 
 
 def _request_error(e: Exception) -> RequestError:
@@ -433,27 +294,3 @@ def _restore(client: AgentClient, kept: tuple) -> None:
     t = client.trajectory
     segments, t.turns, t.status, t.reason, client._messages, client._tools, client._last_gen, client._requests = kept
     t.segments[:] = segments
-
-
-def _openai_message(message: dict) -> dict:
-    reply: dict[str, Any] = {"role": "assistant", "content": message.get("content") or None}
-    if message.get("tool_calls"):
-        reply["tool_calls"] = [
-            {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-             "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}}
-            for c in message["tool_calls"]]
-    return reply
-
-
-async def _chunks(cid: str, created: int, model: str, reply: dict, finish: str):
-    def event(delta: dict, finish_reason: str | None) -> str:
-        chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
-        return f"data: {json.dumps(chunk)}\n\n"
-
-    delta = dict(reply)
-    if "tool_calls" in delta:
-        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
-    yield event(delta, None)
-    yield event({}, finish)
-    yield "data: [DONE]\n\n"

@@ -5,7 +5,7 @@ writes the trained policy as a Hugging Face folder (``model.out``) that ``molt f
 
 - **Tokens as RL sees them** (``render``): a conversation is rendered by the policy's own chat template exactly as
   ``AgentClient.chat_turn`` renders a rollout of it, messages first put in the form the run's endpoint hands the
-  template (``endpoint.hf_message``: tool-call arguments as objects). Only the tokens the policy generates (a reply's
+  template (``openai_chat.hf_message``: tool-call arguments as objects). Only the tokens the policy generates (a reply's
   text or tool calls, then end-of-turn) are trained on; prompts, tool results and the template's own text are context.
 - **The loss** (``sft_loss``): the token mean of the negative log-likelihood over the assistant tokens of the whole
   batch (under DDP/FSDP2 every rank's: their sum over the ranks' total count), through ``policy.Policy``'s chunked,
@@ -121,7 +121,7 @@ def conversations(path: str, template, messages: str = "messages", tools: str | 
                   ) -> list[tuple[list[int], list[int]]]:
     """Every row of ``path`` checked and rendered (see the module docstring): a list of (ids, mask)."""
     from .data.sources import read_file  # the data sources' offline reader (datasets), with its bad-file errors
-    from .endpoint import hf_message  # the form the endpoint hands the chat template
+    from .openai_chat import hf_message  # the form the endpoint hands the chat template
 
     rows = read_file(path, None)[:limit]
     if not rows:

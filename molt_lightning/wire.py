@@ -7,6 +7,8 @@ characters (a 4 MB value is not echoed back, nor kept in the trajectory's ``endp
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 
@@ -149,3 +151,39 @@ def lone_surrogate(value: Any) -> str | None:
         elif isinstance(v, list):
             stack += [(x, f"{where}[{i}]") for i, x in enumerate(v)]
     return None
+
+
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate (paired, or a lone one)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON (use a finite number)")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def json_object(raw: bytes) -> dict:
+    """The request body as a JSON object; refused (400) unless it is one, in UTF-8, with finite numbers and Unicode
+    strings."""
+    if not raw.strip():
+        raise RequestError(400, 'the request body is empty: send a JSON object, e.g. {"model": "policy", '
+                                '"messages": [...]}', None, "invalid_json")
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise RequestError(400, "the request body nests JSON too deeply to parse: flatten it", None,
+                           "invalid_json") from None
+    except ValueError as e:  # UnicodeDecodeError is one
+        raise RequestError(400, f"the request body is not JSON ({str(e)[:120]}): send a JSON object encoded as "
+                                "UTF-8", None, "invalid_json") from None
+    need(isinstance(body, dict), "the request body", "a JSON object", body)
+    where = lone_surrogate(body) if _SURROGATE.search(raw) else None
+    if where is not None:
+        raise RequestError(400, f"{where} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its "
+                                "pair): no Unicode text; send valid Unicode", where, "invalid_type")
+    return body
