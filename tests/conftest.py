@@ -30,6 +30,17 @@ def tokenizer(policy_path):
     return AutoTokenizer.from_pretrained(policy_path)
 
 
+@pytest.fixture
+def torch_engine(policy_path):
+    """A fresh torch engine on the tiny policy, released after the test."""
+    from molt_lightning.engines import TorchEngine
+
+    engine = TorchEngine(seed=0)
+    engine.launch(policy_path)
+    yield engine
+    engine.release()
+
+
 @pytest.fixture(scope="session")
 def vllm_engine(policy_path):
     """One in-process vLLM engine for the whole session (start-up costs 25-60 s); modules share it."""

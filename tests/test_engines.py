@@ -16,14 +16,6 @@ from molt_lightning.tasks.arithmetic import make_problem
 QUESTIONS = 12
 
 
-@pytest.fixture
-def torch_engine(policy_path):
-    engine = TorchEngine(seed=0)
-    engine.launch(policy_path)
-    yield engine
-    engine.release()
-
-
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
     import random

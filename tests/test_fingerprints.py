@@ -94,14 +94,6 @@ def push(engine, state, version, bucket_bytes=2**30) -> WeightFlow:
 
 
 @pytest.fixture
-def torch_engine(policy_path):
-    engine = TorchEngine(seed=0)
-    engine.launch(policy_path)
-    yield engine
-    engine.release()
-
-
-@pytest.fixture
 def policy_state(torch_engine) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in torch_engine.model.named_parameters()}
 
