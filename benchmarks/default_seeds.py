@@ -45,14 +45,13 @@ def summarize(folder: Path) -> dict:
         if (folder / "eval.jsonl").exists() else []
     reached = rolling[rolling >= 0.8]
     after = steps.loc[steps.index > peak_step]
-    col = next((c for c in ("is/ratio_max",) if c in steps), None)
     saturated = rolling[rolling >= 0.9]  # from the first step whose 5-step mean reaches 0.9
     sat = int(saturated.index[0]) if len(saturated) else None
     post = steps.loc[sat:] if sat is not None else steps.iloc[:0]
     return {"start": r.iloc[:5].mean(), "peak": rolling.max(), "peak_step": peak_step,
             "first_0.8": int(reached.index[0]) if len(reached) else None, "end_90_99": r.iloc[90:100].mean(),
             "eval_first": held_out(evals[0]) if evals else None, "eval_last": held_out(evals[-1]) if evals else None,
-            "is_max_after_peak": after[col].max() if col and len(after) else None,
+            "is_max_after_peak": after["is/ratio_max"].max() if len(after) else None,
             "drawdown": float(rolling.loc[sat:].max() - r.rolling(10).mean().loc[sat + 10:].min()) if sat else None,
             "spikes": int((post["grad_norm"] > 1).sum()), "grad_median_after": float(post["grad_norm"].median()),
             "entropy_90_99": steps["entropy"].iloc[90:100].mean() if "entropy" in steps else None}

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,20 @@ class AgentClient:
         if self.trajectory.segments[-1]:
             self.trajectory.segments.append([])
         self._messages, self._last_gen = None, []
+
+    @contextmanager
+    def undone_on_failure(self):
+        """A turn that raises inside leaves this client and its trajectory as they were: no token, span, segment
+        break, turn or request count of it stays (the endpoint's refused and failed turns)."""
+        t = self.trajectory
+        kept = ([list(seg) for seg in t.segments], t.turns, t.status, t.reason, self._messages, self._tools,
+                self._last_gen, self._requests)
+        try:
+            yield
+        except BaseException:
+            segments, t.turns, t.status, t.reason, self._messages, self._tools, self._last_gen, self._requests = kept
+            t.segments[:] = segments
+            raise
 
     def add_context(self, token_ids: list[int], images: ImageInputs | None = None) -> None:
         """Append prompt (at a segment's start) or environment tokens: context the policy did not generate (with the

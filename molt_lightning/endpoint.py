@@ -215,12 +215,8 @@ class Endpoint:
                                         "(cut long tool results, drop old turns)", "messages",
                                    "context_length_exceeded")
             async with client.lock:
-                kept = _record_of(client)
-                try:
+                with client.undone_on_failure():  # nothing of a refused or failed turn stays: no token, no segment
                     message, out = await client.chat_turn(messages, max_tokens=max_tokens, tools=tools)
-                except BaseException:  # nothing of a refused or failed turn stays: no token, no segment break
-                    _restore(client, kept)
-                    raise
         except Exception as e:  # refused, or ContextOverflow and friends (the client's own clear errors)
             err = _request_error(e)
             if client is not None:  # recorded in the trajectory and counted
@@ -281,16 +277,3 @@ def _request_error(e: Exception) -> RequestError:
     if isinstance(e, ClientDisconnect):
         return RequestError(400, "the client disconnected before the whole request body arrived")
     return RequestError(500, f"{type(e).__name__}: {str(e)[:300]}", None, None, "server_error")
-
-
-def _record_of(client: AgentClient) -> tuple:
-    """What a turn changes in a client and its trajectory, to put back if the turn fails (``_restore``)."""
-    t = client.trajectory
-    return ([list(seg) for seg in t.segments], t.turns, t.status, t.reason, client._messages, client._tools,
-            client._last_gen, client._requests)
-
-
-def _restore(client: AgentClient, kept: tuple) -> None:
-    t = client.trajectory
-    segments, t.turns, t.status, t.reason, client._messages, client._tools, client._last_gen, client._requests = kept
-    t.segments[:] = segments
