@@ -1,6 +1,6 @@
 """The remote engine's ``nccl`` weight channel, without a GPU: the clear error where there is no CUDA, and, with the
-HTTP server faked (``httpx.MockTransport``) and the NCCL group and broadcast replaced by recording stubs, the exact
-route sequence of a commit and its payloads. The real NCCL path (vLLM's group, its packed broadcast, a server's NCCL
+HTTP server faked (a handler on a loopback port, ``helpers/loopback.py``) and the NCCL group and broadcast replaced by
+recording stubs, the exact route sequence of a commit and its payloads. The real NCCL path (vLLM's group, its packed broadcast, a server's NCCL
 engine) is untested here: this project has no GPU."""
 
 from __future__ import annotations
@@ -8,17 +8,22 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
+from pathlib import Path
 
-import httpx
 import pytest
 import torch
+from starlette.responses import JSONResponse
 
 from molt_lightning.engines import nccl_channel
 from molt_lightning.engines.nccl_channel import NcclChannel
 from molt_lightning.engines.pool import EnginePool
 from molt_lightning.engines.remote import RemoteVLLMEngine
 
-URL = "http://127.0.0.1:9"  # nothing is sent there: the transport is faked or the engine fails before
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from loopback import Loopback  # noqa: E402
+
+URL = "http://127.0.0.1:9"  # nothing is sent there: the engine fails before
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -43,8 +48,9 @@ class FakeNcclServer:
     def __init__(self, workers: int = 2):
         self.workers, self.calls, self.broadcasts, self.groups = workers, [], [], 0
 
-    async def handle(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content) if request.content else None
+    async def handle(self, request) -> JSONResponse:
+        content = await request.body()
+        body = json.loads(content) if content else None
         path = request.url.path
         self.calls.append((path, body))
         if path == "/update_weights":
@@ -53,12 +59,12 @@ class FakeNcclServer:
                     break
                 await asyncio.sleep(0.01)
             else:
-                return httpx.Response(500, json={"error": "the bucket was never broadcast"})
+                return JSONResponse(status_code=500, content={"error": "the bucket was never broadcast"})
         if path == "/collective_rpc":
-            return httpx.Response(200, json={"results": [291]})
+            return JSONResponse({"results": [291]})
         if path == "/get_world_size":
-            return httpx.Response(200, json={"world_size": self.workers})
-        return httpx.Response(200, json={"success": True})
+            return JSONResponse({"world_size": self.workers})
+        return JSONResponse({"success": True})
 
     def routes(self) -> list[str]:
         return [p for p, _ in self.calls if p not in ("/health", "/collective_rpc")]
@@ -80,14 +86,14 @@ def fake(monkeypatch):
 
     monkeypatch.setattr(NcclChannel, "open_group", open_group)
     monkeypatch.setattr(NcclChannel, "broadcast", broadcast)
-    return server
+    with Loopback(server.handle) as http:
+        server.url = http.url
+        yield server
 
 
 def _engine(server: FakeNcclServer) -> RemoteVLLMEngine:
-    engine = RemoteVLLMEngine(url=URL, channel="nccl", nccl_master_port=29611, nccl_master_address="10.0.0.7",
-                              health_interval_s=3600)
-    engine.transport = httpx.MockTransport(server.handle)
-    return engine
+    return RemoteVLLMEngine(url=server.url, channel="nccl", nccl_master_port=29611, nccl_master_address="10.0.0.7",
+                            health_interval_s=3600)
 
 
 BUCKETS = [

@@ -39,6 +39,7 @@ import asyncio
 import base64
 import contextlib
 import itertools
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -88,8 +89,7 @@ class RemoteVLLMEngine(RolloutEngine):
         self.cpu_threads, self.start_timeout_s, self.server_args = cpu_threads, start_timeout_s, server_args or []
         self.nccl_master_port, self.nccl_master_address = nccl_master_port, nccl_master_address
         self.server = None  # the LocalServer this engine started, if any
-        self.transport = None  # an httpx transport for the client (tests: httpx.MockTransport)
-        self._http = None
+        self._http = None  # the aiohttp.ClientSession, while open
         self._nccl = None  # the NcclChannel, channel nccl
         self._ids = itertools.count()
         # per bucket: ("shm", file path), ("http", base64 safetensors) or ("nccl", {name: host tensor})
@@ -99,8 +99,6 @@ class RemoteVLLMEngine(RolloutEngine):
 
     # ----- lifecycle -----
     async def open(self, model_path: str) -> None:
-        import httpx
-
         if self.channel == "nccl":
             nccl_channel.require_cuda()
         if self.url is None:
@@ -113,10 +111,7 @@ class RemoteVLLMEngine(RolloutEngine):
         self.where = f"at {self.url}"
         if self.channel == "auto":
             self.channel = "shm" if urlparse(self.url).hostname in ("127.0.0.1", "localhost", "::1") else "http"
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        self._http = httpx.AsyncClient(base_url=self.url, headers=headers, limits=httpx.Limits(max_connections=None),
-                                       timeout=httpx.Timeout(self.request_timeout_s, connect=self.connect_timeout_s),
-                                       transport=self.transport)
+        self._http = self._connect()
         if self.channel == "nccl":
             self._nccl = nccl_channel.NcclChannel(self._call, self.url, self.nccl_master_port,
                                                   self.nccl_master_address, timeout_s=self.weight_timeout_s)
@@ -135,8 +130,8 @@ class RemoteVLLMEngine(RolloutEngine):
             self._health.cancel()
             self._health = None
         if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+            http, self._http = self._http, None
+            await http.close()
         self._discard(self._current + self._staged)
         self._current, self._staged = [], []
         if self.server is not None:
@@ -274,30 +269,49 @@ class RemoteVLLMEngine(RolloutEngine):
     async def _post(self, path: str, **kw) -> dict:
         return await self._call("POST", path, **kw)
 
+    def _connect(self):
+        """The HTTP client: aiohttp, one keep-alive connection per request in flight, no pool limit. Not httpx: its
+        connection pool's bookkeeping costs the loop far more CPU per request once dozens are in flight
+        (``benchmarks/remote_client.py``, docs/engines.md)."""
+        import aiohttp
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=self._timeout(self.request_timeout_s))
+
+    def _timeout(self, seconds: float):
+        """``seconds`` for the connection and for each wait on the response (as httpx's read timeout)."""
+        import aiohttp
+
+        return aiohttp.ClientTimeout(total=None, connect=self.connect_timeout_s, sock_read=seconds)
+
     async def _call(self, verb: str, path: str, *, timeout: float | None = None, mark_down: bool = False,
                     **kw) -> dict:
-        import httpx
+        """``kw``: ``json`` and ``params``. Raises ``EngineUnavailable`` on a timeout, a transport error or a 5xx (and
+        marks the engine down with ``mark_down``), ``PermissionError`` on 401/403, ``RuntimeError`` on another 4xx."""
+        import aiohttp
 
         if self._http is None:
             raise EngineUnavailable(f"the engine at {self.url} is not started")
         if timeout is not None:
-            kw["timeout"] = httpx.Timeout(timeout, connect=self.connect_timeout_s)
+            kw["timeout"] = self._timeout(timeout)
         try:
-            r = await self._http.request(verb, path, **kw)
-        except httpx.TimeoutException as e:
+            async with self._http.request(verb, f"{self.url}{path}", **kw) as r:
+                status, body = r.status, await r.read()
+        except asyncio.TimeoutError as e:  # aiohttp's timeouts (its ServerTimeoutError among them)
             err = f"{verb} {self.url}{path} timed out ({type(e).__name__})"
-        except httpx.TransportError as e:
+        except (aiohttp.ClientError, OSError) as e:
             err = f"{verb} {self.url}{path} failed: {type(e).__name__}: {e}"
         else:
-            if r.status_code < 400:
-                return r.json() if r.content else {}
-            if r.status_code in (401, 403):
-                raise PermissionError(f"{verb} {self.url}{path} was refused ({r.status_code}: {r.text[:200]}): pass "
+            if status < 400:
+                return json.loads(body) if body else {}
+            text = body.decode("utf-8", "replace")
+            if status in (401, 403):
+                raise PermissionError(f"{verb} {self.url}{path} was refused ({status}: {text[:200]}): pass "
                                       "the server's token (api_key, or $MOLT_API_KEY)")
-            if r.status_code < 500:
-                raise RuntimeError(f"{verb} {self.url}{path} answered {r.status_code}: {r.text[:500]}")
-            err = f"{verb} {self.url}{path} answered {r.status_code}: {r.text[:300]}"
+            if status < 500:
+                raise RuntimeError(f"{verb} {self.url}{path} answered {status}: {text[:500]}")
+            err = f"{verb} {self.url}{path} answered {status}: {text[:300]}"
         if mark_down:
             self.mark_down(err)
         raise EngineUnavailable(err)
-

@@ -1,0 +1,44 @@
+"""An HTTP server on loopback for client tests: one async handler answers every request (uvicorn in a thread, on a
+free 127.0.0.1 port); ``url`` while it runs, ``stop`` to end it. The remote engine's tests used ``httpx.MockTransport``
+before its client became aiohttp; this serves the same handlers over a real socket."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+
+class Loopback:
+    """``handler(request)``: a Starlette ``Request`` in, a Starlette ``Response`` out, for any path and method."""
+
+    def __init__(self, handler):
+        import uvicorn
+        from starlette.requests import Request
+
+        async def app(scope, receive, send):
+            await (await handler(Request(scope, receive)))(scope, receive, send)
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
+                                                    access_log=False, lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:  # uvicorn's flag (it has no event); a server that died ends the wait
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the loopback server on {self.url} did not start")
+            time.sleep(0.005)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
