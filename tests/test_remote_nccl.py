@@ -1,7 +1,7 @@
 """The remote engine's ``nccl`` weight channel, without a GPU: the clear error where there is no CUDA, and, with the
 HTTP server faked (a handler on a loopback port, ``helpers/loopback.py``) and the NCCL group and broadcast replaced by
-recording stubs, the exact route sequence of a commit and its payloads. The real NCCL path (vLLM's group, its packed broadcast, a server's NCCL
-engine) is untested here: this project has no GPU."""
+recording stubs, the exact route sequence of a commit and its payloads. The real NCCL path (vLLM's group, its packed
+broadcast, a server's NCCL engine) is untested here: this project has no GPU."""
 
 from __future__ import annotations
 

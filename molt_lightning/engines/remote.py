@@ -276,7 +276,9 @@ class RemoteVLLMEngine(RolloutEngine):
         import aiohttp
 
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0),
+        # idle connections close after 4 s, before vLLM's server drops them (5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a
+        # request never goes out on a connection the server is closing
+        return aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
                                      timeout=self._timeout(self.request_timeout_s))
 
     def _timeout(self, seconds: float):
