@@ -1,12 +1,15 @@
 """Weight sync: seconds and GB/s of a push to each engine, against a plain memory copy of the same bytes (same run).
 
-For each policy (the tiny default, SmolLM2-135M) and engine (``TorchEngine`` in-process: a ``load_state_dict`` copy
-under the weights lock; ``VLLMEngine``: buckets written as safetensors to /dev/shm, loaded by the worker's
-``reload_weights``, prefix cache reset), the median of ``--repeats`` pushes of the policy's parameters through
-``stage_weights`` + ``commit_weights`` in buckets of ``--bucket-mb``, and the median of a ``copy_`` of the same
-tensors into preallocated ones (the memcpy baseline). Prints a table; ``--json`` appends the rows to a file.
+For each policy (the tiny default, SmolLM2-135M) and engine path, the median of ``--repeats`` pushes of the policy's
+parameters through ``stage_weights`` + ``commit_weights`` (pause, load, tag with a prefix-cache reset, resume) in
+buckets of ``--bucket-mb``, against the median of a ``copy_`` of the same tensors into preallocated ones (the memcpy
+baseline, same run). Paths: ``torch`` (``TorchEngine`` in-process: a ``load_state_dict`` copy under the weights
+lock); ``vllm`` (``VLLMEngine`` as shipped: buckets copied into reused shared-memory slabs, loaded straight into the
+served layers, ``engines/vllm_load.py``); ``vllm-reload`` (the path before it, kept as the baseline: a new
+safetensors file per bucket in /dev/shm, loaded by vLLM's ``reload_weights``). vLLM runs on core 1, the trainer's
+copy on one thread. Prints a table; ``--json`` appends the rows to a file.
 
-    python benchmarks/weight_sync.py [--engines torch,vllm] [--policies tiny,smollm2]
+    python benchmarks/weight_sync.py [--engines torch,vllm,vllm-reload] [--policies tiny,smollm2]
 """
 
 from __future__ import annotations
@@ -34,14 +37,37 @@ def median_s(fn, repeats: int) -> float:
 
 
 def make_engine(name: str):
+    import asyncio
+    import os
+    import tempfile
+
+    from safetensors.torch import save_file
+
     from molt_lightning.engines import TorchEngine, VLLMEngine
 
-    return TorchEngine() if name == "torch" else VLLMEngine(seed=0, cpu_threads="1")
+    class ReloadEngine(VLLMEngine):
+        """The previous path: one safetensors file per bucket, vLLM's ``reload_weights``."""
+
+        async def stage(self, bucket):
+            fd, path = tempfile.mkstemp(suffix=".safetensors", dir=self.weight_dir)
+            os.close(fd)
+            await asyncio.to_thread(save_file, {k: v.detach().contiguous() for k, v in bucket.items()}, path)
+            self._staged.append(path)
+
+        async def load(self):
+            paths, self._staged = self._staged, []
+            await self.llm.collective_rpc("molt_load_weights", args=(paths,))
+            for path in paths:
+                os.unlink(path)
+
+    if name == "torch":
+        return TorchEngine()
+    return (VLLMEngine if name == "vllm" else ReloadEngine)(seed=0, cpu_threads="1")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--engines", default="torch,vllm")
+    ap.add_argument("--engines", default="torch,vllm,vllm-reload")
     ap.add_argument("--policies", default="tiny,smollm2")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bucket-mb", type=int, default=256)

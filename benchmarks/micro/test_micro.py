@@ -174,32 +174,21 @@ def test_logprobs(benchmark, lm, trajectories, tokenizer, route):
 # ----- weight files -----
 @pytest.mark.benchmark(group="weight-files")
 def test_write_weight_files(benchmark, lm):
-    from safetensors.torch import load_file
-
-    from molt_lightning.engines import VLLMEngine
-    from molt_lightning.engines.base import write_weights
+    """Staging a sync's buckets into their shared-memory slabs (``engines.shm``), as ``VLLMEngine.stage`` does: the
+    slabs are written again in place every sync (before: a new safetensors file per bucket)."""
+    from molt_lightning.engines import shm
     from molt_lightning.weights import buckets as sync_buckets
 
-    engine = VLLMEngine()  # vLLM is imported only at start: this writes as a weight sync does, to /dev/shm
+    staging = shm.Staging("/dev/shm" if os.path.isdir("/dev/shm") else None)
     buckets = list(sync_buckets(lm, 256 * 2**20))  # WeightSync's default bucket_mb
-
-    def push():
-        paths = [write_weights(b, engine.weight_dir) for b in buckets]
-        sizes = [os.path.getsize(p) for p in paths]
-        for p in paths:
-            os.unlink(p)  # as the load phase does once the engine has loaded them
-        return sizes
-
-    sizes = benchmark(push)
-    nbytes = sum(t.numel() * t.element_size() for b in buckets for t in b.values())
-    assert nbytes <= sum(sizes) < nbytes + 64 * 1024  # tensors plus the safetensors header
-    path = write_weights(buckets[0], engine.weight_dir)
     try:
-        back = load_file(path)
+        slabs = benchmark(lambda: [staging.write(b) for b in buckets])
+        nbytes = sum(t.numel() * t.element_size() for b in buckets for t in b.values())
+        assert nbytes <= sum(os.path.getsize(s.path) for s in slabs) < nbytes + 64 * sum(map(len, buckets))
+        back = shm.read(slabs)
+        assert all(torch.equal(back[k], v) for b in buckets for k, v in b.items())
     finally:
-        os.unlink(path)
-    assert back.keys() == buckets[0].keys()
-    assert all(torch.equal(back[k], v) for k, v in buckets[0].items())
+        staging.close()
 
 
 # ----- logging -----

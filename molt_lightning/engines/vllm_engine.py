@@ -52,8 +52,9 @@ from collections.abc import Mapping
 
 import torch
 
-from .base import Adapter, Generation, RolloutEngine, Sampling, write_weights
+from .base import Adapter, Generation, RolloutEngine, Sampling
 from .fingerprint import Print
+from .shm import Slab, Staging
 from .main_guard import require_main_guard
 from .reaper import Reaper
 from .vllm_lora import AdapterSlots, vllm_rank
@@ -105,7 +106,8 @@ class VLLMEngine(RolloutEngine):
         self.llm = None
         self.reaper = Reaper()  # vLLM's engine processes die with this one, even on SIGKILL
         self._ids = itertools.count()
-        self._staged: list[str] = []  # safetensors files of the buckets staged for the next commit
+        self.staging = Staging(self.weight_dir)  # the buckets' shared-memory slabs, written again every sync
+        self._staged: list[Slab] = []  # the slabs staged for the next commit
         self._staged_adapter: dict[str, torch.Tensor] = {}  # a LoRA policy's staged adapter tensors (peft names)
         self.adapters: AdapterSlots | None = None  # the LoRA adapters served, when self.adapter is set
         self._wanted: list[tuple[str, int, asyncio.Future]] = []  # finished requests whose routing is to be taken
@@ -156,6 +158,7 @@ class VLLMEngine(RolloutEngine):
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+        self.staging.close()
         self.reaper.close()
 
     async def pause(self) -> None:
@@ -236,17 +239,14 @@ class VLLMEngine(RolloutEngine):
         if self.adapters is not None:  # adapter tensors are small: written as one peft folder when tagged
             self._staged_adapter.update(bucket)
             return
-        self._staged.append(await asyncio.to_thread(write_weights, bucket, self.weight_dir))  # its memory can go
+        self._staged.append(await asyncio.to_thread(self.staging.write, bucket))  # its memory can go
 
     async def load(self) -> None:
         if self.adapters is not None:
             return  # an adapter is loaded under its version, by tag
-        paths, self._staged = self._staged, []
-        try:
-            await self.llm.collective_rpc("molt_load_weights", args=(paths,))
-        finally:
-            for path in paths:
-                os.unlink(path)
+        slabs, self._staged = self._staged, []
+        await self.llm.collective_rpc("molt_load_slabs", args=([s.to_wire() for s in slabs], self.staging.paths))
+        self.staging.forget()  # the worker has them mapped: no name left in /dev/shm, even after a SIGKILL
 
     async def tag(self, version: int) -> None:
         if self.adapters is not None:

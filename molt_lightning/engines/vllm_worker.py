@@ -31,6 +31,38 @@ class MoltWorkerExtension:
     def molt_load_weights(self, paths: list[str]) -> int:
         """Load HF-named tensors from safetensors files (one per bucket, read one tensor at a time) into the running
         model; returns how many were loaded."""
+        from safetensors import safe_open
+
+        def tensors():
+            for path in paths:
+                with safe_open(path, framework="pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+
+        return self._molt_reload(tensors())
+
+    def molt_load_slabs(self, slabs: list, live: list[str] | None = None) -> int:
+        """Load staged buckets from shared memory (``engines.shm`` slabs) straight into the served layers
+        (``vllm_load``); an update the direct path cannot place goes through ``reload_weights`` whole. Returns how
+        many tensors were loaded. ``live``: every slab the trainer still has (the others are unmapped)."""
+        import logging
+
+        from . import shm, vllm_load
+
+        tensors = shm.read(slabs, live)
+        model = self.model_runner.get_model()
+        try:
+            steps = vllm_load.plan(model, tensors)
+        except vllm_load.Unplaced as e:
+            if not getattr(self, "_molt_told", False):
+                logging.getLogger("molt_lightning.engines").warning("weights load through reload_weights: %s", e)
+                self._molt_told = True
+            return self._molt_reload(tensors.items())
+        vllm_load.apply(model, steps)
+        return len(tensors)
+
+    def _molt_reload(self, named) -> int:
+        """The general path: vLLM's ``reload_weights`` over (HF name, tensor) pairs, then the repacks it misses."""
         import logging
 
         # "ParallelLMHead/RotaryEmbedding: Failed to load weights" is expected (tied head, no rotary weights): quiet it
@@ -38,14 +70,10 @@ class MoltWorkerExtension:
         count, experts = [0], [False]
 
         def tensors():
-            from safetensors import safe_open
-
-            for path in paths:
-                with safe_open(path, framework="pt") as f:
-                    for name in f.keys():
-                        count[0] += 1
-                        experts[0] |= ".mlp.experts." in name
-                        yield from _checkpoint_names(name, f.get_tensor(name))
+            for name, t in named:
+                count[0] += 1
+                experts[0] |= ".mlp.experts." in name
+                yield from _checkpoint_names(name, t)
 
         self.reload_weights(weights_iterator=tensors())
         self._molt_repack_tied_head()
@@ -225,39 +253,16 @@ class _Served:
         from vllm.model_executor.layers.linear import LinearBase
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
+        from .vllm_load import Locator
+
         self.dtype, self.kernels = dtype, (LinearBase, ParallelLMHead)
+        self.locate = Locator(model).locate
         self.modules = dict(model.named_modules())
-        self.packed = getattr(model, "packed_modules_mapping", None) or {}
-        self.mapper = getattr(model, "hf_to_vllm_mapper", None)
         self.sharers: dict[int, list[str]] = {}  # id(weight) -> the linear layers that compute with it
         self.probed: dict[tuple, object] = {}  # (layer, columns) -> its kernel's output (q, k, v share qkv_proj's)
         for path, m in self.modules.items():
             if isinstance(m, self.kernels) and isinstance(getattr(m, "weight", None), torch.Tensor):
                 self.sharers.setdefault(id(m.weight), []).append(path)
-
-    def locate(self, name: str):
-        """(module path, module, parameter name, first row of the tensor in it) of HF ``name``; None when the model
-        has no such tensor, "dropped" when vLLM's loader drops it."""
-        shard = None
-        if self.mapper is not None:
-            mapped = self.mapper._map_name_with_shard(name)
-            if mapped is None:
-                return "dropped"
-            name, shard = mapped
-        path, _, pname = name.rpartition(".")
-        parent, _, leaf = path.rpartition(".")
-        for fused, parts in self.packed.items():  # no mapper (or an older vLLM): q_proj -> qkv_proj's first block
-            if shard is None and leaf in parts and path not in self.modules:
-                path, shard = f"{parent}.{fused}" if parent else fused, parts.index(leaf)
-        if (m := self.modules.get(path)) is None:
-            return None
-        if shard is None:
-            return path, m, pname, 0
-        sizes = list(getattr(m, "output_sizes", None) or [])
-        index = "qkv".index(shard) if shard in ("q", "k", "v") else shard
-        if not isinstance(index, int) or index >= len(sizes):
-            return None
-        return path, m, pname, sum(sizes[:index])
 
     def print(self, name: str, shape: tuple[int, ...]):
         import math

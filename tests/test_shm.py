@@ -1,0 +1,78 @@
+"""Shared-memory weight slabs (``engines.shm``) and the direct load's planning (``engines.vllm_load``): what a vLLM
+sync stages and how the worker views it, without a vLLM engine (``test_fingerprints`` and ``test_engines`` check the
+served weights after real syncs)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from molt_lightning.engines import shm
+from molt_lightning.engines.vllm_load import _block
+
+
+@pytest.fixture
+def staging(tmp_path):
+    s = shm.Staging(str(tmp_path))
+    yield s
+    s.close()
+
+
+def bucket(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.q_proj.weight": torch.randn(4, 3, generator=g), "a.k_proj.weight": torch.randn(2, 3, generator=g),
+            "a.v_proj.weight": torch.randn(2, 3, generator=g), "norm.weight": torch.randn(3, generator=g),
+            "half": torch.randn(5, generator=g).to(torch.bfloat16), "empty": torch.empty(0, 3)}
+
+
+def test_a_slab_round_trips_and_is_written_again_in_place(staging):
+    first = staging.write(bucket(0))
+    seen = shm.read([first.to_wire()])  # the worker's views
+    assert {k: v.dtype for k, v in seen.items()} == {k: v.dtype for k, v in bucket(0).items()}
+    assert all(torch.equal(seen[k], v) for k, v in bucket(0).items())
+    second = staging.write(bucket(1))  # the next sync: same layout, same file, new values
+    assert second == first and staging.paths == [first.path]
+    assert all(torch.equal(seen[k], v) for k, v in bucket(1).items())  # visible through the old views: no copy
+    other = staging.write({"x": torch.ones(2)})  # another layout: another slab
+    assert other.path != first.path and len(staging.paths) == 2
+
+
+def test_offsets_are_aligned_and_row_blocks_lie_back_to_back(staging):
+    slab = staging.write(bucket(0))
+    assert all(offset % shm.ALIGN == 0 for *_, offset in slab.index)
+    seen = shm.read([slab])
+    q, k, v = (seen[f"a.{p}_proj.weight"] for p in "qkv")
+    assert q.dtype == torch.float32 and (4 * 3 * 4) % shm.ALIGN != 0  # 48 bytes: padded, so not back to back
+    fused = _block([q, k, v])  # falls back to a copy
+    assert torch.equal(fused, torch.cat([q, k, v]))
+    wide = staging.write({"q": torch.randn(2, 16), "k": torch.randn(1, 16), "v": torch.randn(1, 16)})  # 64-byte rows
+    parts = list(shm.read([wide]).values())
+    view = _block(parts)
+    assert view.data_ptr() == parts[0].data_ptr() and torch.equal(view, torch.cat(parts))  # one view, no copy
+
+
+def test_forgotten_names_leave_dev_shm_but_the_mapping_works(staging):
+    slab = staging.write(bucket(0))
+    seen = shm.read([slab], live=staging.paths)
+    staging.forget()
+    assert not os.path.exists(slab.path)
+    staging.write(bucket(2))
+    again = shm.read([slab], live=staging.paths)  # the worker's kept mapping, though the name is gone
+    assert all(torch.equal(again[k], v) and torch.equal(seen[k], v) for k, v in bucket(2).items())
+
+
+def test_a_slab_that_is_gone_says_which_channel_to_use(staging, tmp_path):
+    slab = staging.write(bucket(0))
+    staging.close()
+    shm.read([], live=[])  # the worker drops mappings the trainer no longer has
+    with pytest.raises(FileNotFoundError, match="channel='http' or 'nccl'"):
+        shm.read([slab])
+
+
+def test_slabs_cross_the_wire_as_json():
+    import json
+
+    slab = shm.Slab("/dev/shm/x", (("w", "float32", (2, 3), 0), ("b", "bfloat16", (3,), 64)))
+    assert shm.Slab.from_wire(json.loads(json.dumps(slab.to_wire()))) == slab
