@@ -10,8 +10,10 @@ are cut by the engine core between scheduler steps, so a token tagged v was samp
 computed by weights v: the same guarantee as in-process, read from the same field.
 
 Weights travel over a named channel:
-- ``shm``: safetensors files written under ``weight_dir`` (``/dev/shm``), their paths posted; the server reads them
-  (same machine, or a shared filesystem). ``molt_load_weights``, as in-process.
+- ``shm``: the buckets are copied into shared-memory slabs under ``weight_dir`` (``/dev/shm``, ``engines.shm``; two
+  per bucket, used in turn, so the slab of the version a server serves stays intact for a server that restarts),
+  their paths and indexes posted; the server's worker maps them and loads straight into its layers
+  (``molt_load_slabs``, as in-process). Same machine only (or a shared memory filesystem).
 - ``http``: the safetensors bytes travel in the request body, base64 in the JSON ``collective_rpc`` args (vLLM's
   only route that reaches the worker with data; its weight routes take NCCL/IPC handles, not bytes).
   ``molt_load_weights_bytes`` decodes them. Cost: base64's extra third, a JSON parse in the API server and a msgpack
@@ -37,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import itertools
 import json
 import logging
@@ -48,7 +49,8 @@ from urllib.parse import urlparse
 import torch
 
 from . import nccl_channel
-from .base import EngineUnavailable, Generation, RolloutEngine, Sampling, update, write_weights
+from .base import EngineUnavailable, Generation, RolloutEngine, Sampling, update
+from .shm import Staging
 from .fingerprint import Print
 
 log = logging.getLogger("molt_lightning.engines.remote")
@@ -86,6 +88,7 @@ class RemoteVLLMEngine(RolloutEngine):
         self.request_timeout_s, self.connect_timeout_s = request_timeout_s, connect_timeout_s
         self.weight_timeout_s, self.health_interval_s = weight_timeout_s, health_interval_s
         self.weight_dir = weight_dir if os.path.isdir(weight_dir) else None
+        self.staging = Staging(self.weight_dir, copies=2)  # the shm channel's slabs: one served, one being staged
         self.cpu_threads, self.start_timeout_s, self.server_args = cpu_threads, start_timeout_s, server_args or []
         self.nccl_master_port, self.nccl_master_address = nccl_master_port, nccl_master_address
         self.server = None  # the LocalServer this engine started, if any
@@ -132,7 +135,7 @@ class RemoteVLLMEngine(RolloutEngine):
         if self._http is not None:
             http, self._http = self._http, None
             await http.close()
-        self._discard(self._current + self._staged)
+        self.staging.close()
         self._current, self._staged = [], []
         if self.server is not None:
             await asyncio.to_thread(self.server.stop)
@@ -198,14 +201,14 @@ class RemoteVLLMEngine(RolloutEngine):
 
     def _adopt(self) -> None:
         if self._staged:
-            self._discard(self._current)
             self._current, self._staged = self._staged, []
 
     async def _load(self, payload: list[tuple[str, object]]) -> None:
         """The one step that differs between channels: put the buckets' tensors into the (paused) server."""
-        for channel, method in (("shm", "molt_load_weights"), ("http", "molt_load_weights_bytes")):
-            if items := [data for kind, data in payload if kind == channel]:
-                await self._rpc(method, items, timeout=self.weight_timeout_s)
+        if items := [data.to_wire() for kind, data in payload if kind == "shm"]:
+            await self._rpc("molt_load_slabs", items, self.staging.paths, timeout=self.weight_timeout_s)
+        if items := [data for kind, data in payload if kind == "http"]:
+            await self._rpc("molt_load_weights_bytes", items, timeout=self.weight_timeout_s)
         if items := [data for kind, data in payload if kind == "nccl"]:
             await self._nccl.load(items)
 
@@ -217,13 +220,7 @@ class RemoteVLLMEngine(RolloutEngine):
         if self.channel == "http":
             return "http", base64.b64encode(save({k: v.detach().to("cpu").contiguous()
                                                   for k, v in state.items()})).decode("ascii")
-        return "shm", write_weights(state, self.weight_dir)
-
-    @staticmethod
-    def _discard(payload: list[tuple[str, object]]) -> None:
-        for path in [path for kind, path in payload if kind == "shm"]:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        return "shm", self.staging.write(state)
 
     async def fingerprints(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Print | None]:
         """Read in the server's worker, as ``VLLMEngine`` reads them (``vllm_worker.molt_fingerprints``)."""

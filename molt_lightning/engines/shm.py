@@ -49,15 +49,21 @@ class Slab:
 
 
 class Staging:
-    """The trainer's slabs, one per bucket layout, written again in place on each sync."""
+    """The trainer's slabs, one per bucket layout (``copies`` per layout, used in turn), written again in place.
 
-    def __init__(self, folder: str | None):
-        self.folder = folder
-        self._slabs: dict[tuple, tuple[Slab, torch.Tensor]] = {}  # layout -> (slab, its bytes as a uint8 tensor)
+    ``copies=2`` (the remote engine): the slab of the update a server serves stays intact while the next update is
+    staged, so a server that restarts meanwhile reloads exactly the version it is tagged with."""
+
+    def __init__(self, folder: str | None, copies: int = 1):
+        self.folder, self.copies = folder, copies
+        self._slabs: dict[tuple, tuple[Slab, torch.Tensor]] = {}  # (layout, copy) -> (slab, its bytes as uint8)
+        self._turn: dict[tuple, int] = {}
 
     def write(self, bucket: Mapping[str, torch.Tensor]) -> Slab:
         tensors = {k: v.detach() for k, v in bucket.items()}
-        key = tuple((k, str(v.dtype), tuple(v.shape)) for k, v in tensors.items())
+        layout = tuple((k, str(v.dtype), tuple(v.shape)) for k, v in tensors.items())
+        turn = self._turn[layout] = (self._turn.get(layout, -1) + 1) % self.copies
+        key = (layout, turn)
         if key not in self._slabs:
             self._slabs[key] = self._create(tensors)
         slab, base = self._slabs[key]

@@ -18,8 +18,8 @@ The plan is made before anything changes: a tensor the plan cannot place (mixtur
 shards, another platform than the CPU) sends the whole update through ``reload_weights`` instead, so a load is never
 half direct. An update with only some blocks of a fused layer (k_proj without q_proj, v_proj) is refused, naming the
 layer, and changes nothing: its kernel can only be packed whole, and ``reload_weights`` left the other blocks as
-garbage (found by this path's test; a weight sync always sends every tensor, so no run did this). The fingerprint check (``engines.fingerprint``)
-reads every layer back through its kernel after each load, which is what proves this path.
+garbage (found by this path's test; a weight sync always sends every tensor, so no run did this). The fingerprint
+check (``engines.fingerprint``) reads every layer back through its kernel after each load, which proves this path.
 """
 
 from __future__ import annotations
