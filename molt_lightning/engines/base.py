@@ -288,19 +288,6 @@ class RolloutEngine(ABC):
                     self._idle_since = time.perf_counter()
 
 
-def write_weights(tensors: Mapping[str, torch.Tensor], folder: str | None) -> str:
-    """One bucket as a safetensors file in ``folder`` (``/dev/shm``: memory, not disk) for a vLLM worker to read."""
-    import os
-    import tempfile
-
-    from safetensors.torch import save_file
-
-    fd, path = tempfile.mkstemp(suffix=".safetensors", prefix="molt-weights-", dir=folder)
-    os.close(fd)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, path)
-    return path
-
-
 async def update(engines: list[RolloutEngine], version: int, rejoin: bool = False,
                  expected: Mapping[str, Sample] | None = None) -> list[RolloutEngine]:
     """The weight-update sequence, for one engine or every engine of a pool at once: each engine that serves is
