@@ -4,7 +4,7 @@ same machine without serializing them.
 ``Staging.write(bucket)`` copies a bucket's tensors into a file under ``/dev/shm`` (memory, not disk), each at its
 own 64-byte-aligned offset, and returns a ``Slab`` (the path and an index: name, dtype, shape, offset). The file of a
 bucket with the same names, shapes and dtypes is written again in place on the next sync: no new file, no page
-faults, no safetensors header (a new safetensors file per bucket cost 0.16 s of SmolLM2's 0.8 s sync). Tensors are laid out in
+faults, no safetensors header (a new safetensors file per bucket cost 0.16 s of SmolLM2's 0.8 s sync). Tensors lie in
 the bucket's order, so the row blocks of a layer that vLLM serves fused (q/k/v, gate/up: adjacent in a Hugging Face
 model's parameter order) lie back to back, and the worker hands the fused block to its kernel as one view
 (``vllm_load``). ``read(slab)`` is the worker's side: zero-copy tensors over a mapping of the file, kept open.
