@@ -163,7 +163,9 @@ class VLLMEngine(RolloutEngine):
 
     async def pause(self) -> None:
         if self.adapters is None:  # a new adapter version needs no pause: each request keeps its own adapter
-            await self.llm.pause_generation(mode="keep", clear_cache=False)
+            # the engine core's pause itself: AsyncLLM.pause_generation adds a 20 ms sleep after it "for a more
+            # intuitive ordering of events" (not for correctness), 20 ms of every sync on the tiny policy's 27
+            await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
 
     async def resume(self) -> None:
         if self.adapters is None:
