@@ -3,8 +3,9 @@
 For each policy (the tiny default, SmolLM2-135M) and engine path, the median of ``--repeats`` pushes of the policy's
 parameters through ``stage_weights`` + ``commit_weights`` (pause, load, tag with a prefix-cache reset, resume) in
 buckets of ``--bucket-mb``, against the median of a ``copy_`` of the same tensors into preallocated ones (the memcpy
-baseline, same run). Paths: ``torch`` (``TorchEngine`` in-process: a ``load_state_dict`` copy under the weights
-lock); ``vllm`` (``VLLMEngine`` as shipped: buckets copied into reused shared-memory slabs, loaded straight into the
+baseline, same run), and the time to pack the policy's matrices into oneDNN kernels in this process (what vLLM's CPU
+engine computes with, so the floor of any load into it). Paths: ``torch`` (``TorchEngine`` in-process: a
+``load_state_dict`` copy under the weights lock); ``vllm`` (``VLLMEngine`` as shipped: buckets copied into reused shared-memory slabs, loaded straight into the
 served layers, ``engines/vllm_load.py``); ``vllm-reload`` (the path before it, kept as the baseline: a new
 safetensors file per bucket in /dev/shm, loaded by vLLM's ``reload_weights``). vLLM runs on core 1, the trainer's
 copy on one thread. Prints a table; ``--json`` appends the rows to a file.
@@ -85,6 +86,20 @@ def main() -> None:
         dst = {k: torch.empty_like(p) for k, p in params.items()}
         memcpy = median_s(lambda: [dst[k].copy_(p.detach()) for k, p in params.items()], a.repeats)
         rows.append({"policy": pol, "engine": "memcpy (baseline)", "MB": nbytes / 1e6, "s": memcpy})
+        if "vllm" in a.engines:  # the floor of any load into vLLM's CPU kernels: packing every matrix (oneDNN)
+            from vllm import _custom_ops as ops
+
+            mats = [p.detach() for p in params.values() if p.dim() == 2]  # the embedding too: the tied head's kernel
+            held = []  # the previous round's kernels are freed only after the next is packed, as in a load
+
+            def pack():
+                held.append([ops.create_onednn_mm(w.t(), 32) for w in mats])
+                if len(held) > 1:
+                    held.pop(0)
+
+            rows.append({"policy": pol, "engine": "oneDNN pack alone", "MB": nbytes / 1e6,
+                         "s": median_s(pack, a.repeats)})
+            held.clear()
         for name in a.engines.split(","):
             engine = make_engine(name)
             engine.launch(path)
