@@ -5,10 +5,10 @@ parameters through ``stage_weights`` + ``commit_weights`` (pause, load, tag with
 buckets of ``--bucket-mb``, against the median of a ``copy_`` of the same tensors into preallocated ones (the memcpy
 baseline, same run), and the time to pack the policy's matrices into oneDNN kernels in this process (what vLLM's CPU
 engine computes with, so the floor of any load into it). Paths: ``torch`` (``TorchEngine`` in-process: a
-``load_state_dict`` copy under the weights lock); ``vllm`` (``VLLMEngine`` as shipped: buckets copied into reused shared-memory slabs, loaded straight into the
-served layers, ``engines/vllm_load.py``); ``vllm-reload`` (the path before it, kept as the baseline: a new
-safetensors file per bucket in /dev/shm, loaded by vLLM's ``reload_weights``). vLLM runs on core 1, the trainer's
-copy on one thread. Prints a table; ``--json`` appends the rows to a file.
+``load_state_dict`` copy under the weights lock); ``vllm`` (``VLLMEngine`` as shipped: buckets copied into reused
+shared-memory slabs, loaded straight into the served layers, ``engines/vllm_load.py``); ``vllm-reload`` (the path before
+it, kept as the baseline: a new safetensors file per bucket in /dev/shm, loaded by vLLM's ``reload_weights``). vLLM runs
+on core 1, the trainer's copy on one thread. Prints a table; ``--json`` appends the rows to a file.
 
     python benchmarks/weight_sync.py [--engines torch,vllm,vllm-reload] [--policies tiny,smollm2]
 """
