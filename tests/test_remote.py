@@ -150,8 +150,9 @@ def test_pool_of_two_servers_run(molt_servers, tmp_path, monkeypatch, tokenizer)
 
 
 class KillAt:
-    """After step ``step``, SIGKILL ``server`` (its whole process group) as soon as it has requests in flight (from
-    a thread: the trainer goes on, and the next groups' requests reach the server)."""
+    """After step ``step``, SIGKILL ``server`` (its whole process group) as soon as it has requests in flight, paused
+    first so that they are still in flight when it dies (from a thread: the trainer goes on, and the next groups'
+    requests reach the server)."""
 
     def __init__(self, server, engine, step: int = 1):
         self.server, self.engine, self.step, self.killed_at, self.thread = server, engine, step, None, None
@@ -164,8 +165,13 @@ class KillAt:
             self.thread.start()
 
     def _kill(self):
-        deadline = time.monotonic() + 30
-        while self.engine._in_flight == 0 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.engine._in_flight:  # freeze them (pause, mode keep): none can finish between now and the kill
+                self.engine.call(self.engine.pause())  # (with the faster client, one sometimes did: a flaky test)
+                if self.engine._in_flight:
+                    break
+                self.engine.call(self.engine.resume())
             time.sleep(0.002)
         self.server.kill()
         self.killed_at = time.monotonic()
