@@ -13,21 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
-import time
 
 import torch
+from weight_sync import median_s  # benchmarks/ is the script's folder
 
 
 def timed(fn, repeats: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    fn(), fn()  # warm-up
+    return median_s(fn, repeats)
 
 
 def main() -> None:
