@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from molt_lightning.engines import shm
-from molt_lightning.engines.vllm_load import _block
+from molt_lightning.engines.vllm_load import _block, apply
 
 
 @pytest.fixture
@@ -76,3 +76,33 @@ def test_slabs_cross_the_wire_as_json():
 
     slab = shm.Slab("/dev/shm/x", (("w", "float32", (2, 3), 0), ("b", "bfloat16", (3,), 64)))
     assert shm.Slab.from_wire(json.loads(json.dumps(slab.to_wire()))) == slab
+
+
+class _Packed(torch.nn.Module):
+    """A layer that computes with a kept weight through a kernel packed from it (vLLM's CPU embedding and head)."""
+
+    def __init__(self, weight, bias=None, packs=None):
+        super().__init__()
+        self.weight, self.bias, self.packs = weight, bias, packs
+        self.quant_method = self
+        self.cpu_linear = None
+
+    def process_weights_after_loading(self, layer):
+        layer.packs.append(layer)
+        w = layer.weight.detach().clone()
+        layer.cpu_linear = lambda x, weight, bias, w=w: x @ w.T
+
+
+def test_layers_tied_to_one_weight_share_one_kernel_packed_from_the_new_weight():
+    packs = []
+    weight = torch.nn.Parameter(torch.zeros(4, 3), requires_grad=False)
+    model = torch.nn.Module()
+    model.embed, model.head = _Packed(weight, packs=packs), _Packed(weight, packs=packs)
+    model.biased = _Packed(weight, bias=torch.nn.Parameter(torch.ones(4)), packs=packs)  # its own pack: bias
+    new = torch.arange(12.0).reshape(4, 3)
+    apply(model, [(model.embed, "weight", [(0, new)])])
+    assert packs == [model.embed, model.biased]  # once for the tied pair, once for the layer with a bias
+    assert model.head.cpu_linear is model.embed.cpu_linear
+    x = torch.eye(3)
+    for m in (model.embed, model.head, model.biased):
+        torch.testing.assert_close(m.cpu_linear(x, None, None), new.T)
