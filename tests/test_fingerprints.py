@@ -236,6 +236,35 @@ def test_vllm_serves_what_was_sent_read_through_its_kernels(vllm_engine, policy_
 
 
 @pytest.mark.slow
+def test_vllm_kernels_packed_ahead_change_nothing_served_until_the_commit_swaps_them_in(vllm_engine, policy_weights,
+                                                                                       policy_path, monkeypatch):
+    """Each staged bucket's kernels are packed in the worker while the engine serves (``load_ahead``, the default),
+    on copies of the layers: until the commit the engine serves the previous weights, read through its kernels; the
+    commit swaps in every kernel packed ahead (4 per decoder layer, 1 for the tied embedding and head) and then
+    serves the new weights exactly. The buckets split fused layers (200 kB), so q/k/v packs once all have come."""
+    from molt_lightning.weights import buckets
+
+    config = json.loads((Path(policy_path) / "config.json").read_text())
+    shapes = {k: tuple(v.shape) for k, v in policy_weights.items()}
+    prints = lambda state: {k: fingerprint(v).checksum for k, v in state.items()}  # noqa: E731
+    monkeypatch.setattr(vllm_engine.ahead, "min_bytes", 0)  # the tiny policy's buckets are under the default
+    try:
+        old, new = changed(policy_weights, seed=5), changed(policy_weights, seed=6)
+        push(vllm_engine, old, 11).settle()
+        for bucket in buckets(Weights(new), 200_000):
+            vllm_engine.call(vllm_engine.stage_weights(bucket))
+        vllm_engine.call(vllm_engine.ready())  # every bucket's kernels packed, none served
+        served = vllm_engine.call(vllm_engine.fingerprints(shapes))
+        assert {k: p.checksum for k, p in served.items()} == prints(old)
+        vllm_engine.call(vllm_engine.commit_weights(12))
+        assert vllm_engine.ahead.used == 4 * config["num_hidden_layers"] + 1 and config["tie_word_embeddings"]
+        served = vllm_engine.call(vllm_engine.fingerprints(shapes))
+        assert {k: p.checksum for k, p in served.items()} == prints(new)
+    finally:
+        vllm_engine.call(vllm_engine.update_weights(policy_weights, 0))
+
+
+@pytest.mark.slow
 def test_vllm_an_update_with_part_of_a_fused_layer_is_refused_and_changes_nothing(vllm_engine, policy_weights):
     """A sync loads straight into the served layers (``vllm_load``). An update with only part of a fused kernel
     (k_proj without q_proj and v_proj) cannot be packed from what came (and vLLM's ``reload_weights`` left q and v as
@@ -334,7 +363,7 @@ def test_remote_engine_verifies_over_http_and_names_its_server(remote_engine, po
         flow.settle()
         assert flow.verified
 
-        async def never_posted(payload):
+        async def never_posted(payload, token=None):
             pass
 
         monkeypatch.setattr(remote_engine, "_load", never_posted)

@@ -87,8 +87,8 @@ class _Packed(torch.nn.Module):
         self.quant_method = self
         self.cpu_linear = None
 
-    def process_weights_after_loading(self, layer):
-        layer.packs.append(layer)
+    def process_weights_after_loading(self, layer):  # its own quant method: ``self`` is the served layer, ``layer``
+        layer.packs.append(self)  # what is packed (a shallow copy of it, when the load packs on one)
         w = layer.weight.detach().clone()
         layer.cpu_linear = lambda x, weight, bias, w=w: x @ w.T
 
@@ -106,3 +106,77 @@ def test_layers_tied_to_one_weight_share_one_kernel_packed_from_the_new_weight()
     x = torch.eye(3)
     for m in (model.embed, model.head, model.biased):
         torch.testing.assert_close(m.cpu_linear(x, None, None), new.T)
+
+
+class UnquantizedLinearMethod:
+    """Stands in for vLLM's CPU linear method (the direct load goes by its name): packs the weight into a kernel and
+    empties the parameter, recording each pack by the layer's name (a pack ahead packs a shallow copy of it)."""
+
+    def __init__(self, packs: list, keep: bool = False):
+        self.packs, self.keep = packs, keep
+
+    def process_weights_after_loading(self, layer):
+        self.packs.append(layer.name)
+        w = layer.weight.detach().clone()
+        layer.cpu_linear = lambda x, weight, bias, w=w: x @ w.T
+        if not self.keep:
+            layer.weight = torch.nn.Parameter(torch.empty(0, w.shape[1]), requires_grad=False)
+
+
+class UnquantizedEmbeddingMethod(UnquantizedLinearMethod):
+    def __init__(self, packs: list):
+        super().__init__(packs, keep=True)
+
+
+def _served(packs: list) -> torch.nn.Module:
+    """A vLLM-like model: q/k/v served fused (rows 4, 2, 2) in a layer whose weight lives only in its kernel, and an
+    embedding tied to the output head, each computing through a kernel packed from the kept weight."""
+    model = torch.nn.Module()
+    model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    model.a = torch.nn.Module()
+    model.a.qkv_proj = qkv = torch.nn.Module()
+    qkv.output_sizes, qkv.output_size_per_partition, qkv.name = [4, 2, 2], 8, "qkv"
+    qkv.weight = torch.nn.Parameter(torch.zeros(8, 3), requires_grad=False)
+    qkv.quant_method = UnquantizedLinearMethod(packs)
+    qkv.quant_method.process_weights_after_loading(qkv)
+    tied = torch.nn.Parameter(torch.zeros(5, 3), requires_grad=False)
+    for name in ("embed", "head"):
+        layer = torch.nn.Module()
+        layer.weight, layer.quant_method, layer.name = tied, UnquantizedEmbeddingMethod(packs), name
+        layer.quant_method.process_weights_after_loading(layer)
+        setattr(model, name, layer)
+    packs.clear()
+    return model
+
+
+def test_kernels_packed_ahead_leave_the_served_layers_alone_until_the_commit_swaps_them_in():
+    pytest.importorskip("vllm")  # the plan asks vLLM's platform
+    from molt_lightning.engines.vllm_load import Ahead, plan
+
+    packs = []
+    model = _served(packs)
+    served = {name: m.cpu_linear for name, m in (("qkv", model.a.qkv_proj), ("embed", model.embed))}
+    g = torch.Generator().manual_seed(0)
+    new = {n: torch.randn(r, 3, generator=g) for n, r in (("embed.weight", 5), ("a.q_proj.weight", 4),
+                                                          ("a.k_proj.weight", 2), ("a.v_proj.weight", 2))}
+    ahead = Ahead(model, "sync-1")
+    ahead.add("slab-0", {k: new[k] for k in ("embed.weight", "a.q_proj.weight")})  # q/k/v not all here yet
+    assert packs == ["embed"] and set(ahead.ready) == {id(model.embed), id(model.head)}  # packed once, shared
+    ahead.add("slab-1", {k: new[k] for k in ("a.k_proj.weight", "a.v_proj.weight")})
+    assert packs == ["embed", "qkv"] and id(model.a.qkv_proj) in ahead.ready
+    x = torch.eye(3)
+    assert model.a.qkv_proj.cpu_linear is served["qkv"] and model.embed.cpu_linear is served["embed"]
+    assert model.a.qkv_proj.weight.numel() == 0 and not model.embed.weight.any()  # nothing served changed
+    assert ahead.covers("sync-1", ["slab-0", "slab-1"])
+    assert not ahead.covers("sync-2", ["slab-0", "slab-1"]) and not ahead.covers("sync-1", ["slab-1"])
+
+    assert apply(model, plan(model, new), ahead.ready) == 2  # qkv's and the tied pair's: swapped in, not packed
+    assert len(packs) == 2
+    fused = torch.cat([new[f"a.{p}_proj.weight"] for p in "qkv"])
+    torch.testing.assert_close(model.a.qkv_proj.cpu_linear(x, None, None), fused.T)
+    for m in (model.embed, model.head):
+        torch.testing.assert_close(m.cpu_linear(x, None, None), new["embed.weight"].T)
+    assert torch.equal(model.embed.weight, new["embed.weight"]) and model.head.weight is model.embed.weight
+
+    ahead.add("slab-0", {"embed.weight": new["embed.weight"]})  # staged again under one token: written again
+    assert set(ahead.ready) == {id(model.embed), id(model.head)} and ahead.paths == ["slab-0"]

@@ -184,6 +184,9 @@ class RolloutEngine(ABC):
         peft-named tensors); serving is unchanged."""
         raise NotImplementedError
 
+    async def ready(self) -> None:
+        """(Serving.) Finish the staged update's work that needs no pause (``VLLMEngine``: its kernels, packed)."""
+
     async def load(self) -> None:
         """(Paused.) Swap in every staged tensor."""
         raise NotImplementedError
@@ -290,13 +293,14 @@ class RolloutEngine(ABC):
 
 async def update(engines: list[RolloutEngine], version: int, rejoin: bool = False,
                  expected: Mapping[str, Sample] | None = None) -> list[RolloutEngine]:
-    """The weight-update sequence, for one engine or every engine of a pool at once: each engine that serves is
-    paused, loads its staged buckets and is tagged with ``version``; only then do they all resume, so no engine
-    samples a token of ``version`` while another still loads it, and each engine's per-token versions stay its own
-    exact ones. With ``expected`` (what was sent), each engine's fingerprints are checked before the resume
-    (``WeightMismatch``). An engine that is down, or goes down on the way (``EngineUnavailable``), is marked down and
-    keeps the update for when it is back (``defer``). ``rejoin``: the engines were down and answer again; they load
-    what they hold before they serve. Returns the engines that took the update."""
+    """The weight-update sequence, for one engine or every engine of a pool at once: each engine that serves
+    finishes what needs no pause (``ready``), is paused, loads its staged buckets and is tagged with ``version``;
+    only then do they all resume, so no engine samples a token of ``version`` while another still loads it, and each
+    engine's per-token versions stay its own exact ones. With ``expected`` (what was sent), each engine's
+    fingerprints are checked before the resume (``WeightMismatch``). An engine that is down, or goes down on the way
+    (``EngineUnavailable``), is marked down and keeps the update for when it is back (``defer``). ``rejoin``: the
+    engines were down and answer again; they load what they hold before they serve. Returns the engines that took the
+    update."""
 
     async def each(engines: list[RolloutEngine], phase: Callable[[RolloutEngine], Awaitable]) -> list[RolloutEngine]:
         """``phase`` on every engine at once; those that fail with ``EngineUnavailable`` drop out, marked down."""
@@ -329,7 +333,8 @@ async def update(engines: list[RolloutEngine], version: int, rejoin: bool = Fals
             engine.weights_lock = engine.weights_lock or asyncio.Lock()
             await locks.enter_async_context(engine.weights_lock)
             engine.verified, engine.expected = False, expected
-        live = await each([e for e in engines if rejoin or e.healthy], lambda e: e.pause())
+        live = await each([e for e in engines if rejoin or e.healthy], lambda e: e.ready())
+        live = await each(live, lambda e: e.pause())
         try:
             live = await each(await each(live, lambda e: e.load()), lambda e: e.tag(version))
             if expected is not None:

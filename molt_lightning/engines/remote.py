@@ -50,7 +50,7 @@ import torch
 
 from . import nccl_channel
 from .base import EngineUnavailable, Generation, RolloutEngine, Sampling, update
-from .shm import Staging
+from .shm import LoadAhead, Staging
 from .fingerprint import Print
 
 log = logging.getLogger("molt_lightning.engines.remote")
@@ -74,12 +74,14 @@ class RemoteVLLMEngine(RolloutEngine):
         server_args: list[str] | None = None,
         nccl_master_port: int = 29600,
         nccl_master_address: str | None = None,
+        load_ahead: bool = True,
     ):
         """``url``: the server (``http://127.0.0.1:8000``); ``None`` starts one on a free loopback port (with
         ``cpu_threads``, ``server_args`` for vLLM, ``start_timeout_s``). ``api_key`` (default: ``$MOLT_API_KEY``)
         is sent as a bearer token. ``channel``: ``shm``, ``http``, ``nccl`` or ``auto`` (``shm`` for a loopback
         server). ``nccl``: the trainer hosts the group's rendezvous on ``nccl_master_address`` (default: this
-        machine's address toward the server) and ``nccl_master_port``, which the server must reach."""
+        machine's address toward the server) and ``nccl_master_port``, which the server must reach. ``load_ahead``
+        (shm): as ``VLLMEngine``'s, the server's worker packs each staged bucket's kernels before the commit."""
         super().__init__(down_timeout_s)
         if channel not in CHANNELS:
             raise ValueError(f"channel must be one of {CHANNELS}, got {channel!r}")
@@ -89,6 +91,7 @@ class RemoteVLLMEngine(RolloutEngine):
         self.weight_timeout_s, self.health_interval_s = weight_timeout_s, health_interval_s
         self.weight_dir = weight_dir if os.path.isdir(weight_dir) else None
         self.staging = Staging(self.weight_dir, copies=2)  # the shm channel's slabs: one served, one being staged
+        self.ahead = LoadAhead(load_ahead)  # shm: their kernels, packed by the server's worker as they are staged
         self.cpu_threads, self.start_timeout_s, self.server_args = cpu_threads, start_timeout_s, server_args or []
         self.nccl_master_port, self.nccl_master_address = nccl_master_port, nccl_master_address
         self.server = None  # the LocalServer this engine started, if any
@@ -180,13 +183,24 @@ class RemoteVLLMEngine(RolloutEngine):
 
     # ----- weights (the phases of engines.base.update) -----
     async def stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
-        self._staged.append(await asyncio.to_thread(self._serialize, bucket))
+        shm = self.channel == "shm"
+        if shm:
+            await self.ahead.begin(tuple(bucket), [data for kind, data in self._staged if kind == "shm"])
+        self._staged.append(staged := await asyncio.to_thread(self._serialize, bucket))
+        if shm and self.ahead.wants(bucket) and self.healthy:
+            self.ahead.send(self._rpc("molt_prepare_slab", staged[1].to_wire(), self.ahead.token,
+                                      timeout=self.weight_timeout_s))
+
+    async def ready(self) -> None:
+        await self.ahead.settle()
 
     async def load(self) -> None:
         """Load the staged buckets (a new update: they become what a returning server gets), or, with none staged
         (a server that comes back), the current ones."""
+        fresh = bool(self._staged)
         self._adopt()
-        await self._load(self._current)
+        await self.ahead.settle()
+        await self._load(self._current, self.ahead.token if fresh else None)
 
     async def tag(self, version: int) -> None:
         reset = await self._post("/reset_prefix_cache", params={"reset_running_requests": "true"})
@@ -203,10 +217,12 @@ class RemoteVLLMEngine(RolloutEngine):
         if self._staged:
             self._current, self._staged = self._staged, []
 
-    async def _load(self, payload: list[tuple[str, object]]) -> None:
-        """The one step that differs between channels: put the buckets' tensors into the (paused) server."""
+    async def _load(self, payload: list[tuple[str, object]], token: str | None = None) -> None:
+        """The one step that differs between channels: put the buckets' tensors into the (paused) server (shm: with
+        the kernels its worker packed ahead under ``token``)."""
         if items := [data.to_wire() for kind, data in payload if kind == "shm"]:
-            await self._rpc("molt_load_slabs", items, self.staging.paths, timeout=self.weight_timeout_s)
+            self.ahead.loaded(await self._rpc("molt_load_slabs", items, self.staging.paths, token,
+                                              timeout=self.weight_timeout_s))
         if items := [data for kind, data in payload if kind == "http"]:
             await self._rpc("molt_load_weights_bytes", items, timeout=self.weight_timeout_s)
         if items := [data for kind, data in payload if kind == "nccl"]:

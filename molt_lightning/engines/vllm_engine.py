@@ -54,7 +54,7 @@ import torch
 
 from .base import Adapter, Generation, RolloutEngine, Sampling
 from .fingerprint import Print
-from .shm import Slab, Staging
+from .shm import LoadAhead, Slab, Staging
 from .main_guard import require_main_guard
 from .reaper import Reaper
 from .vllm_lora import AdapterSlots, vllm_rank
@@ -90,11 +90,14 @@ class VLLMEngine(RolloutEngine):
         weight_dir: str = "/dev/shm",
         engine_kwargs: dict | None = None,
         capture_routing: bool = False,
+        load_ahead: bool = True,
     ):
         """``cpu_threads`` binds the CPU engine's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"`` or
         ``"0-1"``); ``engine_kwargs`` go to ``AsyncEngineArgs`` as they are (e.g. ``gpu_memory_utilization``);
         ``capture_routing`` records a mixture-of-experts policy's routing (``Generation.routing``, for routing
-        replay) through the worker extension: eager mode only, and prefix caching is turned off."""
+        replay) through the worker extension: eager mode only, and prefix caching is turned off. ``load_ahead``: the
+        worker packs each staged bucket's kernels while the trainer stages the next, and the commit swaps them in
+        (``vllm_load.Ahead``; the engine holds a second set of kernels during a sync: False saves that memory)."""
         super().__init__()
         if capture_routing and not enforce_eager:
             raise ValueError("VLLMEngine(capture_routing=True) hooks the routers in eager mode: set enforce_eager=True")
@@ -108,6 +111,7 @@ class VLLMEngine(RolloutEngine):
         self._ids = itertools.count()
         self.staging = Staging(self.weight_dir)  # the buckets' shared-memory slabs, written again every sync
         self._staged: list[Slab] = []  # the slabs staged for the next commit
+        self.ahead = LoadAhead(load_ahead)  # their kernels, packed by the worker as they are staged
         self._staged_adapter: dict[str, torch.Tensor] = {}  # a LoRA policy's staged adapter tensors (peft names)
         self.adapters: AdapterSlots | None = None  # the LoRA adapters served, when self.adapter is set
         self._wanted: list[tuple[str, int, asyncio.Future]] = []  # finished requests whose routing is to be taken
@@ -254,13 +258,22 @@ class VLLMEngine(RolloutEngine):
         if self.adapters is not None:  # adapter tensors are small: written as one peft folder when tagged
             self._staged_adapter.update(bucket)
             return
-        self._staged.append(await asyncio.to_thread(self.staging.write, bucket))  # its memory can go
+        await self.ahead.begin(tuple(bucket), self._staged)
+        slab = await asyncio.to_thread(self.staging.write, bucket)  # the bucket's memory can go
+        self._staged.append(slab)
+        if self.ahead.wants(bucket) and self.llm is not None:
+            self.ahead.send(self.llm.collective_rpc("molt_prepare_slab", args=(slab.to_wire(), self.ahead.token)))
+
+    async def ready(self) -> None:
+        await self.ahead.settle()
 
     async def load(self) -> None:
         if self.adapters is not None:
             return  # an adapter is loaded under its version, by tag
+        await self.ahead.settle()
         slabs, self._staged = self._staged, []
-        await self.llm.collective_rpc("molt_load_slabs", args=([s.to_wire() for s in slabs], self.staging.paths))
+        self.ahead.loaded(await self.llm.collective_rpc("molt_load_slabs", args=(
+            [s.to_wire() for s in slabs], self.staging.paths, self.ahead.token)))
         self.staging.forget()  # the worker has them mapped: no name left in /dev/shm, even after a SIGKILL
 
     async def tag(self, version: int) -> None:

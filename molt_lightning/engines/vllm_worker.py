@@ -41,25 +41,44 @@ class MoltWorkerExtension:
 
         return self._molt_reload(tensors())
 
-    def molt_load_slabs(self, slabs: list, live: list[str] | None = None) -> int:
+    def molt_prepare_slab(self, slab, token: str) -> int:
+        """Pack the kernels of a staged bucket (and of the sync's earlier ones) ahead of the commit of sync ``token``
+        (``vllm_load.Ahead``); the served layers are untouched. Returns how many kernels are ready; a bucket the
+        direct path cannot place prepares nothing (the commit loads it as before)."""
+        from . import shm, vllm_load
+
+        ahead = getattr(self, "_molt_ahead", None)
+        if ahead is None or ahead.token != token:
+            ahead = self._molt_ahead = vllm_load.Ahead(self.model_runner.get_model(), token)
+        try:
+            ahead.add(shm.Slab.from_wire(slab).path, shm.read([slab]))
+        except vllm_load.Unplaced:
+            ahead.failed = True  # the commit loads this update through reload_weights: nothing to pack ahead
+        return len(ahead.ready)
+
+    def molt_load_slabs(self, slabs: list, live: list[str] | None = None, token: str | None = None) -> dict:
         """Load staged buckets from shared memory (``engines.shm`` slabs) straight into the served layers
-        (``vllm_load``); an update the direct path cannot place goes through ``reload_weights`` whole. Returns how
-        many tensors were loaded. ``live``: every slab the trainer still has (the others are unmapped)."""
+        (``vllm_load``), with the kernels packed ahead for sync ``token`` (``molt_prepare_slab``); an update the
+        direct path cannot place goes through ``reload_weights`` whole. Returns how many tensors were loaded and how
+        many kernels were swapped in packed ahead. ``live``: every slab the trainer still has (the others are
+        unmapped)."""
         import logging
 
         from . import shm, vllm_load
 
+        ahead, self._molt_ahead = getattr(self, "_molt_ahead", None), None
+        slabs = [shm.Slab.from_wire(s) for s in slabs]
         tensors = shm.read(slabs, live)
         model = self.model_runner.get_model()
+        ready = ahead.ready if ahead is not None and ahead.covers(token, [s.path for s in slabs]) else None
         try:
             steps = vllm_load.plan(model, tensors)
         except vllm_load.Unplaced as e:
             if not getattr(self, "_molt_told", False):
                 logging.getLogger("molt_lightning.engines").warning("weights load through reload_weights: %s", e)
                 self._molt_told = True
-            return self._molt_reload(tensors.items())
-        vllm_load.apply(model, steps)
-        return len(tensors)
+            return {"tensors": self._molt_reload(tensors.items()), "packed_ahead": 0}
+        return {"tensors": len(tensors), "packed_ahead": vllm_load.apply(model, steps, ready)}
 
     def _molt_reload(self, named) -> int:
         """The general path: vLLM's ``reload_weights`` over (HF name, tensor) pairs, then the repacks it misses."""
