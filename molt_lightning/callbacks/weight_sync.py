@@ -13,7 +13,7 @@ class WeightSync(L.Callback):
     about ``bucket_mb`` MiB. A larger ``every_n_steps`` trades staleness for fewer transfers; the staleness bound
     still holds because the rollout source admits work by the engine's version."""
 
-    def __init__(self, every_n_steps: int = 1, bucket_mb: int = 256):
+    def __init__(self, every_n_steps: int = 1, bucket_mb: int = 64):
         if every_n_steps < 1 or bucket_mb < 1:
             raise ValueError(f"WeightSync: every_n_steps and bucket_mb must be >= 1, got {every_n_steps}, {bucket_mb}")
         self.every_n_steps, self.bucket_bytes = every_n_steps, bucket_mb * 2**20
