@@ -1,17 +1,19 @@
 """Remote engines: weight sync by channel, and generation throughput with 1 vs 2 local servers (one run, one table).
 
-Weight sync, for the tiny default policy: the median of ``--repeats`` pushes (``stage_weights`` + ``commit_weights``,
-one bucket) to ``VLLMEngine`` in-process (safetensors to /dev/shm, ``collective_rpc`` in-process), to a
-``RemoteVLLMEngine`` over the shared-memory channel (file paths posted to ``/collective_rpc``) and over the HTTP
-body (base64 safetensors in the ``/collective_rpc`` JSON), each including the pause, prefix-cache reset, version
-and resume calls; against a plain memory copy of the same bytes (``copy_`` into preallocated tensors).
+Weight sync, for the tiny default policy: the median of ``--repeats`` pushes (``stage_weights`` per bucket of
+``--bucket-mb``, cut by the weight flow's ``buckets``, then ``commit_weights``) to ``VLLMEngine`` in-process (slabs in
+/dev/shm, ``collective_rpc`` in-process), to a ``RemoteVLLMEngine`` over the shared-memory channel (slab paths posted
+to ``/collective_rpc``) and over the HTTP body (base64 safetensors in the ``/collective_rpc`` JSON), each including
+the pause, prefix-cache reset, version and resume calls; against a plain memory copy of the same bytes (``copy_``
+into preallocated tensors). The in-process engine and the server whose sync is measured both run on core 1.
 
 Throughput: ``--prompts`` prompts x ``--tokens`` new tokens (``ignore_eos``), all sent at once, through an
-``EnginePool`` of 1 server and of 2 servers (server i bound to core i), tokens/s over the wall time.
+``EnginePool`` of 1 server and of 2 servers (bound to cores 1 and 0), tokens/s over the wall time.
 
 ``--policy smollm2`` measures the weight sync for SmolLM2-135M-Instruct (538 MB, one server; no throughput table).
 
     python benchmarks/remote_sync.py [--policy tiny|smollm2] [--repeats 10] [--prompts 64] [--tokens 64]
+                                     [--bucket-mb 64] [--channels shm,http]
 """
 
 from __future__ import annotations
@@ -24,11 +26,19 @@ import torch
 from weight_sync import median_s  # benchmarks/ is the script's folder
 
 
-def push_time(engine, state, repeats: int) -> float:
-    """Median s/push after two warm-up pushes (the steady state a run sees: the shm channel's slabs, two per bucket
-    for the remote engine, exist and are mapped)."""
+def push_time(engine, lm, repeats: int, bucket_bytes: int) -> float:
+    """Median s/push of ``lm``'s weights, cut into buckets by the weight flow's ``buckets`` (a run's order and cut),
+    after two warm-up pushes (the steady state a run sees: the shm channel's slabs, two per bucket for the remote
+    engine, exist and are mapped)."""
+    from molt_lightning.weights import buckets
+
     version = iter(range(1, 10**6))
-    push = lambda: engine.call(engine.update_weights(state, next(version)))  # noqa: E731
+
+    def push():
+        for bucket in buckets(lm, bucket_bytes):
+            engine.call(engine.stage_weights(bucket))
+        engine.call(engine.commit_weights(next(version)))
+
     push(), push()
     return median_s(push, repeats)
 
@@ -54,8 +64,10 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--policy", choices=["tiny", "smollm2"], default="tiny")
+    p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--channels", default="shm,http")
     args = p.parse_args()
-    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     from molt_lightning.engines import EnginePool, RemoteVLLMEngine, VLLMEngine
     from molt_lightning.models.smollm2 import smollm2_policy
@@ -63,23 +75,25 @@ def main() -> None:
     from molt_lightning.engines.server import LocalServer
 
     policy = arithmetic_policy() if args.policy == "tiny" else smollm2_policy()
-    state = load_file(f"{policy}/model.safetensors")
+    lm = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    state = {k: p.detach() for k, p in lm.named_parameters()}  # what a sync sends (a tied head once)
     mb = sum(t.numel() * t.element_size() for t in state.values()) / 1e6
     rows = []
 
-    servers = [LocalServer(policy, cpu_threads=str(i)) for i in range(2 if args.policy == "tiny" else 1)]
+    bucket_bytes = args.bucket_mb * 2**20
+    servers = [LocalServer(policy, cpu_threads=str(1 - i)) for i in range(2 if args.policy == "tiny" else 1)]
     try:
         for s in servers:
             s.wait_ready(300)
         inproc = VLLMEngine(seed=0, cpu_threads="1")
         inproc.launch(policy)
-        rows.append(("vllm in-process (/dev/shm)", push_time(inproc, state, args.repeats)))
+        rows.append(("vllm in-process (/dev/shm)", push_time(inproc, lm, args.repeats, bucket_bytes)))
         inproc.release()
         remote = RemoteVLLMEngine(url=servers[0].url)
         remote.launch(policy)
-        for channel in ("shm", "http"):
+        for channel in args.channels.split(","):
             remote.channel = channel
-            rows.append((f"remote, {channel} channel", push_time(remote, state, args.repeats)))
+            rows.append((f"remote, {channel} channel", push_time(remote, lm, args.repeats, bucket_bytes)))
         remote.release()
         rates = []
         for n in (1, 2) if args.policy == "tiny" else ():
@@ -99,7 +113,8 @@ def main() -> None:
 
     base = rows[0][1]
     print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (shared machine)")
-    print(f"weight sync, {args.policy} policy ({mb:.1f} MB), median of {args.repeats} pushes")
+    print(f"weight sync, {args.policy} policy ({mb:.1f} MB), median of {args.repeats} pushes, "
+          f"{args.bucket_mb} MB buckets")
     print(f"{'path':28s} {'s/push':>8s} {'GB/s':>8s} {'vs memcpy':>10s}")
     for name, s in rows:
         print(f"{name:28s} {s:8.4f} {mb / 1e3 / s:8.3f} {base / s:10.4f}")

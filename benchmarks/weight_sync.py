@@ -6,11 +6,14 @@ buckets of ``--bucket-mb``, against the median of a ``copy_`` of the same tensor
 baseline, same run), and the time to pack the policy's matrices into oneDNN kernels in this process (what vLLM's CPU
 engine computes with, so the floor of any load into it). Paths: ``torch`` (``TorchEngine`` in-process: a
 ``load_state_dict`` copy under the weights lock); ``vllm`` (``VLLMEngine`` as shipped: buckets copied into reused
-shared-memory slabs, loaded straight into the served layers, ``engines/vllm_load.py``); ``vllm-reload`` (the path before
-it, kept as the baseline: a new safetensors file per bucket in /dev/shm, loaded by vLLM's ``reload_weights``). vLLM runs
-on core 1, the trainer's copy on one thread. Prints a table; ``--json`` appends the rows to a file.
+shared-memory slabs, each bucket's kernels packed by the worker while the next is staged, swapped in at the commit,
+``engines/vllm_load.py``); ``vllm-serial`` (the same without packing ahead, ``load_ahead=False``: every kernel is
+packed in the commit, after the last bucket is staged); ``vllm-reload`` (the first path, kept as the baseline: a new
+safetensors file per bucket in /dev/shm, loaded by vLLM's ``reload_weights``). vLLM runs on core 1, the trainer's
+copy on one thread. Prints a table; ``--json`` appends the rows to a file.
 
-    python benchmarks/weight_sync.py [--engines torch,vllm,vllm-reload] [--policies tiny,smollm2]
+    python benchmarks/weight_sync.py [--engines torch,vllm,vllm-serial,vllm-reload] [--policies tiny,smollm2]
+                                     [--bucket-mb 64]
 """
 
 from __future__ import annotations
@@ -63,15 +66,17 @@ def make_engine(name: str):
 
     if name == "torch":
         return TorchEngine()
-    return (VLLMEngine if name == "vllm" else ReloadEngine)(seed=0, cpu_threads="1")
+    if name == "vllm-reload":
+        return ReloadEngine(seed=0, cpu_threads="1")
+    return VLLMEngine(seed=0, cpu_threads="1", load_ahead=name == "vllm")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--engines", default="torch,vllm,vllm-reload")
+    ap.add_argument("--engines", default="torch,vllm,vllm-serial,vllm-reload")
     ap.add_argument("--policies", default="tiny,smollm2")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM
