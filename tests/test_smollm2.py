@@ -46,8 +46,8 @@ def test_smollm2_trains_on_policy_with_exact_sync(tmp_path):
 
 def test_the_chain_sum_recipe_runs_two_steps_with_its_held_out_evaluation(tmp_path):
     """``recipes/smollm2_chain_sum.yaml`` as it ships (vLLM, reasoning-gym data, the last-number verifier, Evaluate)
-    for 2 steps of 2 x 2 runs, its held-out set cut to 4 prompts x 2 runs: both rounds are logged and the run folder is
-    complete."""
+    for 2 steps of 2 x 2 runs, its held-out set cut to 4 prompts x 2 runs: both rounds are logged, the run folder is
+    complete and every weight sync verified."""
     import json
     import os
     import subprocess
@@ -79,3 +79,5 @@ def test_the_chain_sum_recipe_runs_two_steps_with_its_held_out_evaluation(tmp_pa
     assert all(r["metrics"]["chain_sum"]["prompts"] == 4 for r in rounds)
     df = pd.read_csv(run / "metrics.csv")
     assert df.dropna(subset=["reward"])["step"].nunique() == 2 and (tmp_path / "ckpt" / "last.ckpt").exists()
+    # every sync (in 64 MB buckets, packed ahead in vLLM's worker) served exactly what was sent, read back
+    assert len(df["sync/verified"].dropna()) >= 2 and (df["sync/verified"].dropna() == 1).all()
