@@ -181,7 +181,13 @@ def test_failing_harnesses_are_counted_and_never_trained_on_while_the_run_goes_o
     trained = [t for _, b in batches.seen for t in b.trajectories]
     assert trained and all(t.reward == 1.0 and t.info["harness_exit"] == 0 for t in trained)
     check_trained_tokens(records, batches, AutoTokenizer.from_pretrained(module.policy_path))
-    left = [p for p in psutil.Process().children(recursive=True) if BAD in " ".join(p.cmdline())]
+    def command(p: psutil.Process) -> str:  # "" for a process that has exited (a zombie runs nothing) or is gone
+        try:
+            return " ".join(p.cmdline())
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            return ""
+
+    left = [p for p in psutil.Process().children(recursive=True) if BAD in command(p)]
     assert asyncio.run(_wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
                                                    for p in left), 30)), left
 
