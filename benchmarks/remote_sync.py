@@ -23,24 +23,14 @@ import asyncio
 import time
 
 import torch
-from weight_sync import median_s  # benchmarks/ is the script's folder
+import weight_sync  # benchmarks/ is the script's folder
+from weight_sync import median_s
 
 
 def push_time(engine, lm, repeats: int, bucket_bytes: int) -> float:
-    """Median s/push of ``lm``'s weights, cut into buckets by the weight flow's ``buckets`` (a run's order and cut),
-    after two warm-up pushes (the steady state a run sees: the shm channel's slabs, two per bucket for the remote
-    engine, exist and are mapped)."""
-    from molt_lightning.weights import buckets
-
-    version = iter(range(1, 10**6))
-
-    def push():
-        for bucket in buckets(lm, bucket_bytes):
-            engine.call(engine.stage_weights(bucket))
-        engine.call(engine.commit_weights(next(version)))
-
-    push(), push()
-    return median_s(push, repeats)
+    """``weight_sync.push_time`` after two warm-up pushes (the steady state a run sees: the shm channel's slabs, two
+    per bucket for the remote engine, exist and are mapped)."""
+    return weight_sync.push_time(engine, lm, repeats, bucket_bytes, warmups=2)
 
 
 def throughput(engine, prompts: int, tokens: int) -> float:

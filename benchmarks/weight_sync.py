@@ -40,6 +40,21 @@ def median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def push_time(engine, lm, repeats: int, bucket_bytes: int, warmups: int = 1) -> float:
+    """Median s/push of ``lm``'s weights to ``engine``, cut into buckets by the weight flow's ``buckets`` (a run's order
+    and cut; stage each bucket, then commit), after ``warmups`` pushes."""
+    version = iter(range(1, 10**6))
+
+    def push():
+        for bucket in buckets(lm, bucket_bytes):
+            engine.call(engine.stage_weights(bucket))
+        engine.call(engine.commit_weights(next(version)))
+
+    for _ in range(warmups):
+        push()
+    return median_s(push, repeats)
+
+
 def make_engine(name: str):
     import asyncio
     import os
@@ -108,16 +123,8 @@ def main() -> None:
         for name in a.engines.split(","):
             engine = make_engine(name)
             engine.launch(path)
-            version = [0]
-
-            def push():
-                version[0] += 1
-                for bucket in buckets(lm, a.bucket_mb * 2**20):
-                    engine.call(engine.stage_weights(bucket))
-                engine.call(engine.commit_weights(version[0]))
-
-            push()  # warm-up
-            rows.append({"policy": pol, "engine": name, "MB": nbytes / 1e6, "s": median_s(push, a.repeats)})
+            rows.append({"policy": pol, "engine": name, "MB": nbytes / 1e6,
+                         "s": push_time(engine, lm, a.repeats, a.bucket_mb * 2**20)})
             engine.release()
         for r in rows:
             if r["policy"] == pol:
