@@ -30,11 +30,11 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from molt_lightning.chat import ChatTemplate
-from molt_lightning.client import AgentClient
-from molt_lightning.endpoint import Endpoint
+from molt_lightning.agents.chat import ChatTemplate
+from molt_lightning.agents.client import AgentClient
+from molt_lightning.agents.wire.endpoint import Endpoint
 from molt_lightning.engines.base import Generation, RolloutEngine
-from molt_lightning.harness import Harness
+from molt_lightning.agents.harness import Harness
 from molt_lightning.models.tiny import python_tool_policy
 from molt_lightning.tasks import framework_agents, python_tool
 from molt_lightning.trajectory import Trajectory

@@ -22,9 +22,9 @@ import time
 import openai
 from transformers import AutoTokenizer
 
-from molt_lightning.chat import ChatTemplate
-from molt_lightning.client import AgentClient
-from molt_lightning.endpoint import Endpoint
+from molt_lightning.agents.chat import ChatTemplate
+from molt_lightning.agents.client import AgentClient
+from molt_lightning.agents.wire.endpoint import Endpoint
 from molt_lightning.engines import TorchEngine
 from molt_lightning.models.tiny import arithmetic_policy
 from molt_lightning.tasks.arithmetic import make_problem

@@ -22,8 +22,8 @@ def checkpoint(policy: str, path: Path) -> None:
     hyperparameters, and AdamW's two moments per parameter."""
     import torch
 
-    from molt_lightning.models import load_lm
-    from molt_lightning.policy import policy_folder
+    from molt_lightning.policies import load_lm
+    from molt_lightning.trainer.policy import policy_folder
 
     lm = load_lm(policy_folder(policy), torch.float32)
     moments = {i: {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
@@ -40,8 +40,8 @@ def size(path: Path) -> int:
 def measure(name: str, policy: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from molt_lightning.export import export
-    from molt_lightning.policy import policy_folder
+    from molt_lightning.commands.export import export
+    from molt_lightning.trainer.policy import policy_folder
 
     tmp = Path(tempfile.mkdtemp())
     try:

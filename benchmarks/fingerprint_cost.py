@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import torch
 
 from molt_lightning.engines.fingerprint import samples, verify
-from molt_lightning.weights import WeightFlow, buckets
+from molt_lightning.trainer.weights import WeightFlow, buckets
 
 from train_step import POLICIES, StepBench  # noqa: E402  (benchmarks/ is the script's folder)
 from weight_sync import median_s  # noqa: E402
@@ -51,7 +51,7 @@ def step_s(policy: str, repeats: int) -> float:
 
 def measure(policy: str, path: str, engine_name: str, repeats: int, bucket_bytes: int) -> dict:
     from molt_lightning.engines import TorchEngine, VLLMEngine
-    from molt_lightning.models import load_lm
+    from molt_lightning.policies import load_lm
 
     lm = load_lm(path, torch.float32)
     engine = TorchEngine() if engine_name == "torch" else VLLMEngine(seed=0, cpu_threads="1")
@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--bucket-mb", type=int, default=256)
     args = p.parse_args()
-    from molt_lightning.policy import policy_folder
+    from molt_lightning.trainer.policy import policy_folder
 
     rows, missing = [], []
     for policy in args.policies.split(","):

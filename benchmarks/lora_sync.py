@@ -20,8 +20,8 @@ import time
 import torch
 
 from molt_lightning import lora
-from molt_lightning.policy import policy_folder
-from molt_lightning.weights import buckets
+from molt_lightning.trainer.policy import policy_folder
+from molt_lightning.trainer.weights import buckets
 
 from train_step import POLICIES  # noqa: E402  (benchmarks/ is the script's folder)
 

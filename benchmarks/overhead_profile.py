@@ -153,7 +153,7 @@ def main():
     out = Path(args.out or tempfile.mkdtemp(prefix="molt-profile-"))
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MOLT_QUIET": "0", "PYTHONPATH": f"{ROOT / 'benchmarks'}:{ROOT}"}
-    cmd = [sys.executable, "-m", "molt_lightning.cli", "fit", "--config", args.config,
+    cmd = [sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config", args.config,
            "--trainer.max_steps", str(args.start + args.steps + 2), "--trainer.enable_progress_bar", "false"]
     spy = ["--trainer.callbacks+", "overhead_profile.PySpyWindow", "--trainer.callbacks.out", str(out),
            "--trainer.callbacks.start", str(args.start), "--trainer.callbacks.steps", str(args.steps),

@@ -146,7 +146,7 @@ def main(argv=None) -> None:
     ap.add_argument("--molt", action="store_true", help="a real `molt serve` on the tiny policy")
     args = ap.parse_args(argv)
     if args.molt:
-        from molt_lightning.engines.server import LocalServer
+        from molt_lightning.engines.vllm.server import LocalServer
         from molt_lightning.models.tiny import arithmetic_policy
 
         server = LocalServer(str(arithmetic_policy()), cpu_threads="1")

@@ -62,7 +62,7 @@ def main() -> None:
     from molt_lightning.engines import EnginePool, RemoteVLLMEngine, VLLMEngine
     from molt_lightning.models.smollm2 import smollm2_policy
     from molt_lightning.models.tiny import arithmetic_policy
-    from molt_lightning.engines.server import LocalServer
+    from molt_lightning.engines.vllm.server import LocalServer
 
     policy = arithmetic_policy() if args.policy == "tiny" else smollm2_policy()
     lm = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)

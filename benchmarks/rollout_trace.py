@@ -54,7 +54,7 @@ if __name__ == "__main__":  # vLLM's engine process re-imports this script
         sys.exit(__doc__)
     out, args = sys.argv[2], sys.argv[3:]
     instrument()
-    from molt_lightning.cli import main
+    from molt_lightning.commands.cli import main
 
     try:
         main(args)

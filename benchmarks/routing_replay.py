@@ -1,4 +1,4 @@
-"""What routing replay (R3, ``molt_lightning.moe``) costs and buys on the tiny MoE, torch engine, this machine.
+"""What routing replay (R3, ``molt_lightning.policies.moe``) costs and buys on the tiny MoE, torch engine, this machine.
 
 Two measurements, both modes in one run so the ratios share the machine's state:
 1. the loop: ``--steps`` RL steps of the default task on ``models.tiny.moe_policy`` with the torch engine, on-policy
@@ -70,7 +70,7 @@ def paired(path: str, pairs) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from molt_lightning.policy import Policy
+    from molt_lightning.trainer.policy import Policy
 
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out = {}
@@ -89,7 +89,7 @@ def step_ms(path: str, batch, reps: int) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from molt_lightning.policy import Policy
+    from molt_lightning.trainer.policy import Policy
 
     out = {}
     for mode in MODES:

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from molt_lightning import AsyncRLModule, Batching, Optim
-from molt_lightning.policy import logprobs_and_entropy
+from molt_lightning.trainer.policy import logprobs_and_entropy
 from molt_lightning.tasks import arithmetic
 from molt_lightning.trajectory import Kind, Span, Trajectory, collate
 

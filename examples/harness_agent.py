@@ -1,4 +1,4 @@
-"""A harness as its own program: the python-tool agent, written against a stock client, run by ``molt_lightning.harness.
+"""A harness as its own program: the python-tool agent, written against a stock client, run by ``molt_lightning.agents.harness.
 Harness`` once per agent run (``recipes/harness.yaml``).
 
 It knows nothing of molt-lightning's API: the stock clients read their endpoint and key from the environment the

@@ -38,8 +38,6 @@ class Rollout:
         if self.temperature <= 0:
             raise ValueError("model.rollout.temperature must be > 0 for RL (greedy sampling has no logprobs to "
                              f"correct against), got {self.temperature}")
-        from .endpoint import check_host
-
         check_host(self.endpoint_host, self.endpoint_token)
         if self.switch_interval_ms is not None and self.switch_interval_ms <= 0:
             raise ValueError(f"model.rollout.switch_interval_ms must be > 0 (or null: Python's own), got "
@@ -77,6 +75,21 @@ class MoE:
 
     routing: Literal["free", "replay"] = "free"  # replay: train through the experts the engine chose (R3)
     aux_coef: float = 0.0  # weight of the router load-balancing loss (transformers' load_balancing_loss_func)
+
+
+def check_host(host: str, token: str | None) -> None:
+    """The agents' endpoint stays on loopback unless a token guards it."""
+    import ipaddress
+
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        raise ValueError(f"endpoint host {host!r} is not an IP address (e.g. 127.0.0.1, or an interface's "
+                         "address for harnesses in other namespaces)") from None
+    if not loopback and not token:
+        raise ValueError(f"binding the endpoint to {host} exposes the policy beyond this machine's loopback: set "
+                         "model.rollout.endpoint_token to a secret too (every session key then carries it), or "
+                         "keep endpoint_host at 127.0.0.1")
 
 
 def _at_least(record, group: str, **least) -> None:

@@ -35,19 +35,20 @@ import lightning as L
 import numpy as np
 import torch
 
-from . import lightning_compat, parallel
-from . import lora as lora_
-from .algorithms import AdvantageInputs, Algorithm, LossInputs, build, masked_mean, objective, off_policy, on_last_turn
+from .trainer import lightning_compat, parallel
+from .policies import lora as lora_
+from .algorithms import AdvantageInputs, Algorithm, LossInputs, build, masked_mean, off_policy, on_last_turn
+from .algorithms import objective
 from .algorithms.objective import Norm
-from .batching import Constants, StepMetrics, any_row, constants, padding_frac, plan, rows_of
-from .client import AgentClients
+from .trainer.plan import Constants, StepMetrics, any_row, constants, padding_frac, plan, rows_of
+from .agents.sessions import AgentSessions
 from .config import Batching, MoE, Optim, Rollout
 from .engines.base import RolloutEngine
-from .models import load_lm
-from .policy import Policy, check_vocab, frozen_policy, policy_folder, teacher_folder
-from .rollout import RolloutSource
+from .policies import load_lm
+from .trainer.policy import Policy, check_vocab, frozen_policy, policy_folder, teacher_folder
+from .rollout.source import RolloutSource
 from .trajectory import Batch, collate
-from .weights import WeightFlow
+from .trainer.weights import WeightFlow
 
 lightning_compat.patch()  # Lightning's self.log costs ~0.5 ms per key and step without it (see there)
 log = logging.getLogger("molt_lightning.module")
@@ -105,7 +106,7 @@ class AsyncRLModule(L.LightningModule):
         self.engine = engine
         self.source = RolloutSource(agent, tasks, self.rollout, group_filter=self.fns.group_filter)
         self.weights = WeightFlow(engine, verify_weights)
-        self.clients: AgentClients | None = None
+        self.clients: AgentSessions | None = None
         self.policy_path: str | None = None
         self.policy: Policy | None = None  # the LM (``policy.lm``) and a value head for critic estimators
         self.reference = self.teacher = None  # frozen Policies: the KL reference (kl_coef > 0), a distillation teacher
@@ -160,7 +161,7 @@ class AsyncRLModule(L.LightningModule):
     def train_dataloader(self) -> _BatchStream:
         if not self._started and self.global_rank == 0:
             text = self.policy.lm.config.get_text_config()  # a VLM's language model sets the context length
-            self.clients = AgentClients(self.engine, self.policy_path, self.tokenizer, self.rollout.temperature,
+            self.clients = AgentSessions(self.engine, self.policy_path, self.tokenizer, self.rollout.temperature,
                                         self.rollout.max_context or text.max_position_embeddings,
                                         self.rollout.endpoint_host, self.rollout.endpoint_token)
             self.engine.launch(self.policy_path, lora_.adapter_of(self.policy.lm))

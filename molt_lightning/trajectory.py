@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from .moe import NO_RECORD, ROUTING_DTYPE
-from .vision import BatchImages, ImageInputs, collate_images
+from .policies.moe import NO_RECORD, ROUTING_DTYPE
+from .policies.vision import BatchImages, ImageInputs, collate_images
 
 
 class Kind(str, Enum):
@@ -108,6 +108,8 @@ class Trajectory:
     turns: int = 0  # engine calls made (the client counts them; an empty generation is a turn too)
     turn_rewards: list[float] | None = None  # the agent's reward per turn (``AgentResult.turn_rewards``)
     turn_keys: list | None = None  # the agent's state key per turn (``AgentResult.turn_keys``; GiGPO)
+    member: int | str = 0  # its place in the group (an evaluation's runs: "eval0", "eval1", ...)
+    sample: dict | None = None  # the task sample its agent ran on
 
     def policy_spans(self):
         return (s for seg in self.segments for s in seg if s.kind == Kind.POLICY)
@@ -125,6 +127,11 @@ class Trajectory:
     def num_turns(self) -> int:
         """Turns: engine calls, or policy spans for a trajectory made by hand (whose spans carry no turn)."""
         return max(self.turns, sum(1 for _ in self.policy_spans()))
+
+    def truncate(self, reason: str) -> None:
+        """Mark it cut short (a turn at max_tokens, an episode at max_turns), unless it already failed or was cut."""
+        if self.status == Status.OK:
+            self.status, self.reason = Status.TRUNCATED, reason
 
     def fail(self, reason: str) -> Trajectory:
         self.status, self.reason = Status.FAILED, reason

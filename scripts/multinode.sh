@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Multi-node runs: N vLLM engine servers (`molt serve`) and a trainer spread over nodes by Lightning (DDP), the
-# trainer's rank 0 owning the rollout source and an EnginePool over the servers (molt_lightning/parallel.py).
+# trainer's rank 0 owning the rollout source and an EnginePool over the servers (molt_lightning/trainer/parallel.py).
 #
 #   scripts/multinode.sh local            one machine: 2 servers on loopback + 2 trainer processes (ddp), 3 steps
 #   scripts/multinode.sh server           on each engine node: one server on 0.0.0.0:${PORT:-8000} (needs MOLT_API_KEY)
@@ -34,7 +34,7 @@ case "${1:-}" in
     cleanup() { for pid in "${pids[@]}"; do kill -- "-$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; }
     trap cleanup EXIT
     for i in 0 1; do  # each in its own process group (setsid): the cleanup stops vLLM's engine core with it
-      setsid "$PYTHON" -m molt_lightning.serve --policy "$POLICY" --port $((18100 + i)) --cpu-threads "$i" \
+      setsid "$PYTHON" -m molt_lightning.commands.serve --policy "$POLICY" --port $((18100 + i)) --cpu-threads "$i" \
         > "/tmp/molt-multinode-server-$i.log" 2>&1 &
       pids+=($!)
     done
@@ -42,7 +42,7 @@ case "${1:-}" in
       for _ in $(seq 300); do curl -sf "http://127.0.0.1:$((18100 + i))/health" > /dev/null && break; sleep 1; done
     done
     export ENGINES=http://127.0.0.1:18100,http://127.0.0.1:18101 CHANNEL=shm  # one machine: files in /dev/shm
-    "$PYTHON" -m molt_lightning.cli fit --config "$RECIPE" $(pool_args) --trainer.strategy ddp \
+    "$PYTHON" -m molt_lightning.commands.cli fit --config "$RECIPE" $(pool_args) --trainer.strategy ddp \
       --trainer.devices 2 --trainer.max_steps "$STEPS" --trainer.logger false --trainer.enable_checkpointing false \
       --model.rollout.group_size 4 \
       --model.rollout.prompts_per_step 4 --model.torch_threads 1
@@ -50,19 +50,19 @@ case "${1:-}" in
   server)
     : "${MOLT_API_KEY:?set MOLT_API_KEY, the token the trainer will send}"
     nccl=(); [ "${CHANNEL:-http}" = nccl ] && nccl=(--nccl)
-    exec "$PYTHON" -m molt_lightning.serve --policy "$POLICY" --host 0.0.0.0 --port "${PORT:-8000}" "${nccl[@]}"
+    exec "$PYTHON" -m molt_lightning.commands.serve --policy "$POLICY" --host 0.0.0.0 --port "${PORT:-8000}" "${nccl[@]}"
     ;;
   trainer)
     : "${ENGINES:?set ENGINES to the servers' URLs}" "${MASTER_ADDR:?}" "${NODE_RANK:?}" "${NNODES:?}"
     exec torchrun --nnodes "$NNODES" --nproc-per-node "${GPUS_PER_NODE:-1}" --node-rank "$NODE_RANK" \
-      --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}" -m molt_lightning.cli fit \
+      --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}" -m molt_lightning.commands.cli fit \
       --config "$RECIPE" $(pool_args) --trainer.strategy ddp --trainer.num_nodes "$NNODES" \
       --trainer.devices "${GPUS_PER_NODE:-1}" --trainer.accelerator "${ACCELERATOR:-auto}" --trainer.max_steps "$STEPS"
     ;;
   slurm)
     : "${ENGINES:?set ENGINES to the servers' URLs}"
     # sbatch --nodes=$NNODES --ntasks-per-node=$GPUS_PER_NODE scripts/multinode.sh slurm: Lightning reads SLURM's env
-    exec srun "$PYTHON" -m molt_lightning.cli fit --config "$RECIPE" $(pool_args) --trainer.strategy ddp \
+    exec srun "$PYTHON" -m molt_lightning.commands.cli fit --config "$RECIPE" $(pool_args) --trainer.strategy ddp \
       --trainer.num_nodes "${SLURM_NNODES:?run inside an allocation}" --trainer.devices "${GPUS_PER_NODE:-1}" \
       --trainer.accelerator "${ACCELERATOR:-auto}" --trainer.max_steps "$STEPS"
     ;;

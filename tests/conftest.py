@@ -57,7 +57,7 @@ def vllm_engine(policy_path):
 def molt_servers(policy_path):
     """Two vLLM servers (``engines.server.LocalServer``, loopback, a core each), stopped at the session's end."""
     pytest.importorskip("vllm")
-    from molt_lightning.engines.server import LocalServer
+    from molt_lightning.engines.vllm.server import LocalServer
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     servers = []

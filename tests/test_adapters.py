@@ -1,4 +1,4 @@
-"""Environments of other libraries run unchanged (``molt_lightning.adapters``): a verifiers single-turn taskset, a
+"""Environments of other libraries run unchanged (``molt_lightning.agents.adapters``): a verifiers single-turn taskset, a
 verifiers taskset with an MCP tool and an OpenEnv MCP environment each train on the tiny python-tool policy with the
 torch engine, every trained token the engine's; their own scorers give the rewards (checked against hand-computed
 values on scripted replies); an environment whose reward function or step raises is a counted failed sample and
@@ -23,9 +23,9 @@ vf = pytest.importorskip("verifiers.v1")
 pytest.importorskip("openenv.core")
 
 from molt_lightning import Rollout  # noqa: E402
-from molt_lightning.adapters import OpenEnvAgent, VerifiersAgent, VerifiersTasks, seeds  # noqa: E402
-from molt_lightning.adapters.verifiers_env import load_env_config  # noqa: E402
-from molt_lightning.chat import ChatTemplate  # noqa: E402
+from molt_lightning.agents.adapters import OpenEnvAgent, VerifiersAgent, VerifiersTasks, seeds  # noqa: E402
+from molt_lightning.agents.adapters.verifiers_env import load_env_config  # noqa: E402
+from molt_lightning.agents.chat import ChatTemplate  # noqa: E402
 from molt_lightning.engines import TorchEngine  # noqa: E402
 from molt_lightning.tasks import openenv_envs, verifiers_envs  # noqa: E402
 from molt_lightning.tasks.arithmetic import make_problem  # noqa: E402
@@ -149,7 +149,7 @@ def test_verifiers_config_choices(caplog):
     from verifiers.v1.configs.agent import agent_config_fields
     from verifiers.v1.runtimes import SubprocessConfig
 
-    with caplog.at_level(logging.WARNING, logger="molt_lightning.adapters.verifiers"):
+    with caplog.at_level(logging.WARNING, logger="molt_lightning.agents.adapters.verifiers"):
         config = load_env_config(SINGLE, {"num_tasks": 5}, {"agent": {"max_turns": 2, "sampling": {
             "temperature": 0.7, "top_p": 0.9, "max_tokens": 32}}})
     [(role, spec)] = agent_config_fields(config).items()
@@ -244,7 +244,7 @@ def test_broken_environments_fail_samples_and_training_goes_on(tool_policy, temp
     assert "step broke" in caplog.text
     assert module.source.counts.failed >= 4
     for t in trained(batches):  # only the sound half trained
-        sample = t.info["sample"]
+        sample = t.sample
         assert (sample["task"]["idx"] % 2 == 0) if "task" in sample else (sample["seed"] % 2 == 0)
 
 
@@ -252,7 +252,7 @@ def test_verifiers_recipe_runs_through_the_cli(tmp_path):
     import pandas as pd
 
     out = subprocess.run(
-        [sys.executable, "-m", "molt_lightning.cli", "fit", "--config", "recipes/verifiers_tool.yaml",
+        [sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/verifiers_tool.yaml",
          "--model.engine", "molt_lightning.engines.TorchEngine", "--trainer.max_steps", "2",
          "--model.rollout.prompts_per_step", "4", "--trainer.logger.init_args.save_dir", str(tmp_path)],
         cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)

@@ -1,4 +1,4 @@
-"""Admission (``molt_lightning.admission``), a pure record: the lag budget with and without ``admit_ahead``, the
+"""Admission (``molt_lightning.rollout.admission``), a pure record: the lag budget with and without ``admit_ahead``, the
 staleness rule, the prompt ledger and its resume state. Then the same rules in a running rollout source: batches
 oldest first, nothing lost, and the switch interval ``switch_interval_ms`` sets while rollouts run."""
 
@@ -10,7 +10,7 @@ import pytest
 from modules import running
 from scripted import ScriptedEngine
 
-from molt_lightning.admission import Admission
+from molt_lightning.rollout.admission import Admission
 from molt_lightning.config import Rollout
 from molt_lightning.rollout import RolloutSource
 

@@ -15,7 +15,7 @@ from molt_lightning.algorithms.advantages import (
     dr_grpo, gae, grpo, reinforce, reinforce_pp, reinforce_pp_baseline, rloo, whiten,
 )
 from molt_lightning.algorithms.losses import ppo_clip
-from molt_lightning.algorithms.sampling import nonzero_std, overlong
+from molt_lightning.algorithms.shaping import nonzero_std, overlong
 from molt_lightning.trajectory import Outcomes
 
 # Seven trajectories: group 0 has rewards 1,0,0,1; group 1 is all-equal (1,1); group 2 is a single sample.

@@ -15,7 +15,7 @@ from test_loop import make as make_loop
 from molt_lightning import rollout
 from molt_lightning.algorithms import GROUP_FILTERS, Algorithm
 from molt_lightning.engines import TorchEngine
-from molt_lightning.policy import logprobs_and_entropy
+from molt_lightning.trainer.policy import logprobs_and_entropy
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes" / "algorithms").glob("*.yaml"))
 
@@ -209,7 +209,7 @@ def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):
 def test_gigpo_trains_on_an_environment_whose_turns_share_states(tmp_path):
     """GiGPO on the calculator environment (EnvAgent: the observation each reply answered is its state key): the
     question is every run's first state, so each group's first turns form one step group."""
-    from molt_lightning.envs import EnvAgent
+    from molt_lightning.agents.env import EnvAgent
     from molt_lightning.tasks.arithmetic_env import CalculatorEnv
 
     batches = Batches()

@@ -9,9 +9,9 @@ import asyncio
 
 import pytest
 
-from molt_lightning.chat import ChatTemplate
-from molt_lightning.client import AgentClient
-from molt_lightning.endpoint import Endpoint
+from molt_lightning.agents.chat import ChatTemplate
+from molt_lightning.agents.client import AgentClient
+from molt_lightning.agents.wire.endpoint import Endpoint
 from molt_lightning.tasks import python_tool
 from molt_lightning.trajectory import Kind, Trajectory
 

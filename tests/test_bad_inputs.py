@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from molt_lightning.cli import main
+from molt_lightning.commands.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = """\
@@ -69,7 +69,7 @@ def test_the_shell_sees_a_few_lines_not_a_page_of_usage(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  rollout: {group_size: [2\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-m", "molt_lightning.cli", "fit", "--config", str(bad)], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config", str(bad)], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.startswith("usage: molt fit --config RECIPE.yaml [--trainer.KEY VALUE] [--model.KEY VALUE]\n")
@@ -261,7 +261,7 @@ def test_a_really_full_disk(recipe, tmp_path):
     """A 10 MiB tmpfs holds one checkpoint of the tiny policy (6.5 MiB) but not two."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    run = (f"mount -t tmpfs -o size=10m tmpfs {disk} && {sys.executable} -m molt_lightning.cli fit --config {recipe} "
+    run = (f"mount -t tmpfs -o size=10m tmpfs {disk} && {sys.executable} -m molt_lightning.commands.cli fit --config {recipe} "
            f"--trainer.max_steps 3 --trainer.enable_checkpointing true "
            f"--trainer.callbacks+ lightning.pytorch.callbacks.ModelCheckpoint --trainer.callbacks.dirpath {disk} "
            f"--trainer.callbacks.every_n_train_steps 1 --trainer.callbacks.save_top_k -1; echo rc=$?; "

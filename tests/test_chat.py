@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from molt_lightning.chat import ChatTemplate
-from molt_lightning.client import AgentClient
+from molt_lightning.agents.chat import ChatTemplate
+from molt_lightning.agents.client import AgentClient
 from molt_lightning.trajectory import Kind, Trajectory
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
@@ -107,7 +107,7 @@ def test_fast_encode_equals_the_tokenizers_own_call(policy):
 
 
 def test_a_refused_generate_leaves_the_trajectory_as_it_was(tokenizer):
-    from molt_lightning.client import ContextOverflow
+    from molt_lightning.agents.client import ContextOverflow
 
     t = ChatTemplate(tokenizer)
     engine = ScriptedEngine([t.encode("ANSWER 2") + [t.eos_id]], version=1)

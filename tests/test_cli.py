@@ -18,7 +18,7 @@ def run(*args, timeout=600):
 def fit_recipe(name: str, tmp_path, *flags: str, steps: int = 2):
     """``molt fit --config recipes/NAME.yaml`` for ``steps`` steps, logging under ``tmp_path``; checks it ran every
     step and returns (its output, the run folder, its config.yaml text, its metrics.csv)."""
-    out = run("-m", "molt_lightning.cli", "fit", "--config", f"recipes/{name}.yaml", *flags,
+    out = run("-m", "molt_lightning.commands.cli", "fit", "--config", f"recipes/{name}.yaml", *flags,
               "--trainer.max_steps", str(steps), "--trainer.logger.init_args.save_dir", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     [run_dir] = list((tmp_path / name).iterdir())
@@ -28,7 +28,7 @@ def fit_recipe(name: str, tmp_path, *flags: str, steps: int = 2):
 
 
 def test_help_answers_without_importing_vllm():
-    code = ("import sys\nfrom molt_lightning.cli import main\n"
+    code = ("import sys\nfrom molt_lightning.commands.cli import main\n"
             "try:\n    main(['fit', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
             "print('VLLM-IMPORTED' if 'vllm' in sys.modules else 'NO-VLLM')")
     out = run("-c", code)
@@ -44,14 +44,14 @@ def test_recipe_runs_with_trainer_flags_from_the_command_line(tmp_path):
 
 
 def test_bad_agent_path_is_a_clear_error(tmp_path):
-    out = run("-m", "molt_lightning.cli", "fit", "--config", "recipes/default.yaml",
+    out = run("-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/default.yaml",
               "--model.agent", "molt_lightning.tasks.arithmetic.no_such_agent", "--trainer.max_steps", "1")
     assert out.returncode != 0
     assert "no_such_agent" in out.stderr
 
 
 def test_unsupported_strategy_names_the_choices():
-    out = run("-m", "molt_lightning.cli", "fit", "--config", "recipes/default.yaml", "--trainer.strategy", "fsdp",
+    out = run("-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/default.yaml", "--trainer.strategy", "fsdp",
               "--trainer.max_steps", "1")
     assert out.returncode != 0
     assert "'fsdp' is not supported: use auto (one process), ddp, fsdp2" in out.stderr
@@ -60,7 +60,7 @@ def test_unsupported_strategy_names_the_choices():
 
 def quiet_run(*args):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MOLT_QUIET": "1"}
-    return subprocess.run([sys.executable, "-m", "molt_lightning.cli", "fit", "--config", "recipes/default.yaml",
+    return subprocess.run([sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/default.yaml",
                            "--model.engine", "molt_lightning.engines.TorchEngine", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -83,6 +83,6 @@ def test_quiet_terminal_shows_the_end_of_the_log_when_the_run_fails(tmp_path):
     out = quiet_run("--trainer.max_steps", "1", "--trainer.strategy", "fsdp")  # refused while the Trainer is made
     assert out.returncode != 0
     assert "'fsdp' is not supported" in out.stderr and "molt: the run failed; the last" in out.stderr
-    bad = subprocess.run([sys.executable, "-m", "molt_lightning.cli", "fit", "--config", "recipes/default.yaml"],
+    bad = subprocess.run([sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/default.yaml"],
                          cwd=ROOT, env={**os.environ, "MOLT_QUIET": "yes"}, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "MOLT_QUIET='yes': use 1" in bad.stderr

@@ -128,7 +128,7 @@ def test_a_resumed_run_continues_mid_epoch_without_repeats_or_gaps(tmp_path, jso
     from molt_lightning import AsyncRLModule, Rollout
     from molt_lightning.callbacks import SampleAudit
     from molt_lightning.callbacks.audit import replay
-    from molt_lightning.data import Answer
+    from molt_lightning.agents import Answer
     from molt_lightning.engines import TorchEngine
 
     audit = tmp_path / "audit.jsonl"
@@ -217,12 +217,12 @@ def test_molt_fit_answers_bad_data_before_anything_starts(tmp_path):
 
     path = write_jsonl(tmp_path / "bad.jsonl", [{"question": "q", "answer": 1}, {"text": "x", "answer": 2}])
     recipe = {"trainer": {"accelerator": "cpu", "max_steps": 1, "logger": False},
-              "model": {"agent": {"class_path": "molt_lightning.data.Answer"},
+              "model": {"agent": {"class_path": "molt_lightning.agents.Answer"},
                         "tasks": {"class_path": "molt_lightning.data.Tasks",
                                   "init_args": {"sources": [{"path": str(path), "prompt": "question"}]}},
                         "engine": {"class_path": "molt_lightning.engines.TorchEngine"}}}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
-    done = subprocess.run([sys.executable, "-m", "molt_lightning.cli", "fit", "--config", str(tmp_path / "r.yaml")],
+    done = subprocess.run([sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config", str(tmp_path / "r.yaml")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert f"error: data source {path}, row 1: no field 'question'" in done.stderr

@@ -58,7 +58,7 @@ def fit(tmp_path: Path, strategy: str, steps: int, name: str = "run", ckpt: str 
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT / 'tests' / 'helpers'}:{ROOT}"}
-    args = [sys.executable, "-m", "molt_lightning.cli", "fit", "--config", str(path)]
+    args = [sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config", str(path)]
     if ckpt:
         args += ["--ckpt_path", ckpt]
     out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -168,7 +168,7 @@ def exported_and_evaluated(tmp_path: Path, ckpt: Path, trainer_side) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT / 'tests' / 'helpers'}:{ROOT}"}
-    molt = [sys.executable, "-m", "molt_lightning.cli"]
+    molt = [sys.executable, "-m", "molt_lightning.commands.cli"]
     done = subprocess.run([*molt, "export", str(ckpt), str(tmp_path / "hf")], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -13,7 +13,7 @@ import openai
 import pytest
 from lightning.pytorch.loggers import CSVLogger
 
-from molt_lightning.chat import ChatTemplate
+from molt_lightning.agents.chat import ChatTemplate
 from molt_lightning.engines import TorchEngine
 from molt_lightning import Rollout
 from molt_lightning.tasks import python_tool
@@ -207,7 +207,7 @@ def test_python_tool_recipe_runs_through_the_cli(tool_policy, tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
-        [sys.executable, "-m", "molt_lightning.cli", "fit", "--config", "recipes/python_tool.yaml",
+        [sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/python_tool.yaml",
          "--model.engine", "molt_lightning.engines.TorchEngine", "--trainer.max_steps", "2",
          "--model.rollout.prompts_per_step", "4", "--trainer.logger.init_args.save_dir", str(tmp_path)],
         cwd=root, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)

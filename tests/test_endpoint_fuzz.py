@@ -23,8 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from molt_lightning.client import AgentClient, AgentClients
-from molt_lightning.endpoint import Endpoint
+from molt_lightning.agents.client import AgentClient
+from molt_lightning.agents.sessions import AgentSessions
+from molt_lightning.agents.wire.endpoint import Endpoint
 from molt_lightning.tasks import python_tool
 from molt_lightning.trajectory import Trajectory
 
@@ -50,7 +51,7 @@ class Served:
     """The module's endpoint, the client the bad requests are sent for (``fuzz``), one whose requests may be valid
     (``loose``), and what they have seen."""
 
-    def __init__(self, clients: AgentClients, fuzz: AgentClient, loose: AgentClient, counts: Counter,
+    def __init__(self, clients: AgentSessions, fuzz: AgentClient, loose: AgentClient, counts: Counter,
                  generations: list):
         self.clients, self.endpoint, self.fuzz, self.loose = clients, clients.endpoint, fuzz, loose
         self.counts, self.generations = counts, generations
@@ -105,7 +106,7 @@ def served():
         return await generate(*args, **kwargs)
 
     engine.generate = counted
-    clients = AgentClients(engine, path, AutoTokenizer.from_pretrained(path), 1.0, CONTEXT)
+    clients = AgentSessions(engine, path, AutoTokenizer.from_pretrained(path), 1.0, CONTEXT)
     clients.endpoint.max_body = LIMIT
     clients.start()  # uvicorn configures its loggers here: the handler goes on after
     errors = _ServerErrors()

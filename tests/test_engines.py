@@ -9,7 +9,7 @@ import torch
 from inflight import delivered, in_flight
 from safetensors.torch import load_file
 
-from molt_lightning.chat import ChatTemplate
+from molt_lightning.agents.chat import ChatTemplate
 from molt_lightning.engines import Sampling, TorchEngine
 from molt_lightning.tasks.arithmetic import make_problem
 

@@ -1,4 +1,4 @@
-"""Gym-style environments (``molt_lightning.envs``): trained end to end as the agent ``envs.EnvAgent``,
+"""Gym-style environments (``molt_lightning.agents.env``): trained end to end as the agent ``envs.EnvAgent``,
 observations as context never trained on, summed rewards, ``close`` after every episode (a raising one too),
 ``max_turns`` truncation, ``CalculatorEnv`` token for token the same as ``calculator_agent``, the recipe through the
 CLI, and the bad inputs."""
@@ -20,10 +20,10 @@ import pandas as pd
 import pytest
 import torch
 
-from molt_lightning.chat import ChatTemplate
-from molt_lightning.client import AgentClient
+from molt_lightning.agents.chat import ChatTemplate
+from molt_lightning.agents.client import AgentClient
 from molt_lightning.engines import TorchEngine
-from molt_lightning.envs import EnvAgent, Environment, Step
+from molt_lightning.agents.env import EnvAgent, Environment, Step
 from molt_lightning.rollout import request_seed
 from molt_lightning.tasks import arithmetic
 from molt_lightning.tasks.arithmetic_env import MAX_TOKENS, MAX_TURNS, CalculatorEnv
@@ -244,7 +244,7 @@ def test_calculator_env_makes_the_same_tokens_as_calculator_agent(policy_path, t
 def test_the_recipe_runs_through_the_cli(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(
-        [sys.executable, "-m", "molt_lightning.cli", "fit", "--config", "recipes/calculator_env.yaml",
+        [sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/calculator_env.yaml",
          "--trainer.max_steps", "2", "--model.rollout.group_size", "4", "--model.rollout.prompts_per_step", "4",
          "--trainer.logger.init_args.save_dir", str(tmp_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -279,16 +279,16 @@ def recipe(tmp_path, policy_path, monkeypatch):
 def env_agent_arg(environment: str, **init_args) -> list[str]:
     import json
 
-    spec = {"class_path": "molt_lightning.envs.EnvAgent", "init_args": {"environment": environment, **init_args}}
+    spec = {"class_path": "molt_lightning.agents.env.EnvAgent", "init_args": {"environment": environment, **init_args}}
     return ["--model.agent", json.dumps(spec)]
 
 
 @pytest.mark.parametrize("args, problem", [
     (env_agent_arg("molt_lightning.engines.TorchEngine"),
      "model.agent.init_args.environment molt_lightning.engines.torch_engine.TorchEngine is not an Environment: give "
-     "the dotted path of a class that subclasses molt_lightning.envs.Environment"),
-    (env_agent_arg("molt_lightning.envs.Environment"),
-     "model.agent.init_args.environment molt_lightning.envs.Environment is abstract: implement reset, step"),
+     "the dotted path of a class that subclasses molt_lightning.agents.env.Environment"),
+    (env_agent_arg("molt_lightning.agents.env.Environment"),
+     "model.agent.init_args.environment molt_lightning.agents.env.Environment is abstract: implement reset, step"),
     (env_agent_arg("molt_lightning.tasks.arithmetic_env.NoSuchEnv"),
      "fix: model.agent takes the dotted path of an `async def agent(client, sample) -> reward`"),
     (env_agent_arg("molt_lightning.tasks.arithmetic_env.CalculatorEnv", env_kwargs={"size": 3}),

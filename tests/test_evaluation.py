@@ -1,4 +1,4 @@
-"""Held-out evaluation (``molt_lightning.evaluation``, ``callbacks.Evaluate``): pass@k against hand-computed values
+"""Held-out evaluation (``molt_lightning.rollout.heldout``, ``callbacks.Evaluate``): pass@k against hand-computed values
 and brute-force enumeration, maj@k, the interval against scipy, and evaluation beside training: the trainer keeps
 stepping while a round runs (``max_lag`` 0 and 1), every round names the versions it measured, the start and end
 rounds measure exactly one version, the best round's weights are kept, and held-out prompts that were trained on are
@@ -19,7 +19,7 @@ from molt_lightning import AsyncRLModule, Rollout
 from molt_lightning.callbacks import Evaluate
 from molt_lightning.callbacks.plot import series
 from molt_lightning.engines import TorchEngine
-from molt_lightning.evaluation import Outcome, interval, majority_correct, pass_at_k, summarize
+from molt_lightning.rollout.heldout import Outcome, interval, majority_correct, pass_at_k, summarize
 from molt_lightning.tasks import arithmetic
 
 

@@ -96,7 +96,7 @@ class _Mesh:  # a stand-in for the data-parallel mesh: shard_experts checks befo
 def _ep_strategy(world: int):
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from molt_lightning.parallel import STRATEGIES, FSDP2EPStrategy
+    from molt_lightning.trainer.parallel import STRATEGIES, FSDP2EPStrategy
 
     assert "fsdp2_ep" in STRATEGIES  # the CLI accepts it
     strategy = StrategyRegistry.get("fsdp2_ep")
@@ -109,8 +109,8 @@ def test_a_dense_policy_or_experts_the_ranks_do_not_divide_are_clear_errors(poli
     from transformers import AutoModelForCausalLM
 
     from molt_lightning.models.tiny import moe_policy
-    from molt_lightning.parallel import shard
-    from molt_lightning.policy import Policy
+    from molt_lightning.trainer.parallel import shard
+    from molt_lightning.trainer.policy import Policy
 
     dense = Policy(AutoModelForCausalLM.from_pretrained(policy_path))
     with pytest.raises(ValueError, match="is dense.*use --trainer.strategy fsdp2"):
@@ -149,7 +149,7 @@ def test_molt_fit_with_expert_parallelism_stays_on_policy_with_exact_sync(tmp_pa
     assert lm["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 128, 128)
     from transformers import AutoModelForCausalLM
 
-    from molt_lightning.export import export  # molt export reads the same shards into one Hugging Face folder
+    from molt_lightning.commands.export import export  # molt export reads the same shards into one Hugging Face folder
 
     exported = AutoModelForCausalLM.from_pretrained(export(str(tmp_path / "ckpt" / "last.ckpt"), str(tmp_path / "hf")))
     assert all(torch.equal(p, lm[n]) for n, p in exported.named_parameters())

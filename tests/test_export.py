@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from molt_lightning import AsyncRLModule, Rollout
 from molt_lightning.engines import TorchEngine
-from molt_lightning.export import export
+from molt_lightning.commands.export import export
 from molt_lightning.tasks import arithmetic
 from logprob_probe import batch, trainer_logprobs
 
@@ -70,7 +70,7 @@ def test_lora_exports_an_adapter_or_merged_weights(tmp_path, policy_path, tokeni
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from molt_lightning.lora import LoraSpec
+    from molt_lightning.policies.lora import LoraSpec
 
     module, ckpt = train(tmp_path, policy_path, lora=LoraSpec(r=4, alpha=8), optim={"lr": 1e-2})
     mine = trainer_side(module, tokenizer)
@@ -131,7 +131,7 @@ def test_molt_serve_serves_an_export_with_transformers_greedy_outputs(tmp_path, 
     import httpx
     from transformers import AutoModelForCausalLM
 
-    from molt_lightning.engines.server import LocalServer
+    from molt_lightning.engines.vllm.server import LocalServer
 
     _, ckpt = train(tmp_path, policy_path)
     out = export(str(ckpt), str(tmp_path / "hf"))
@@ -156,7 +156,7 @@ def test_molt_serve_serves_an_export_with_transformers_greedy_outputs(tmp_path, 
 def test_molt_eval_on_a_checkpoint_and_what_it_refuses(tmp_path, policy_path, capsys):
     """``molt eval --ckpt`` exports the checkpoint (merged) and runs the recipe's evaluation on it, in this process;
     a recipe without ``Evaluate`` and a LoRA adapter folder are refused with the fix."""
-    from molt_lightning.cli import main
+    from molt_lightning.commands.cli import main
 
     _, ckpt = train(tmp_path, policy_path, steps=1)
     recipe = tmp_path / "eval.yaml"

@@ -22,7 +22,7 @@ import torch
 from molt_lightning.engines import TorchEngine
 from molt_lightning.engines.fingerprint import (SAMPLES, Print, Sample, WeightMismatch, checksum, fingerprint,
                                                 positions, sample)
-from molt_lightning.weights import WeightFlow
+from molt_lightning.trainer.weights import WeightFlow
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 from modules import make_module  # noqa: E402
@@ -242,7 +242,7 @@ def test_vllm_kernels_packed_ahead_change_nothing_served_until_the_commit_swaps_
     on copies of the layers: until the commit the engine serves the previous weights, read through its kernels; the
     commit swaps in every kernel packed ahead (4 per decoder layer, 1 for the tied embedding and head) and then
     serves the new weights exactly. The buckets split fused layers (200 kB), so q/k/v packs once all have come."""
-    from molt_lightning.weights import buckets
+    from molt_lightning.trainer.weights import buckets
 
     config = json.loads((Path(policy_path) / "config.json").read_text())
     shapes = {k: tuple(v.shape) for k, v in policy_weights.items()}

@@ -13,7 +13,7 @@ from lightning.pytorch.loggers import CSVLogger
 from scripted import run_at_endpoint
 
 from molt_lightning import Rollout
-from molt_lightning.chat import ChatTemplate
+from molt_lightning.agents.chat import ChatTemplate
 from molt_lightning.engines import TorchEngine
 from molt_lightning.tasks import framework_agents, python_tool
 

@@ -1,4 +1,4 @@
-"""Harnesses in their own process (``molt_lightning.harness.Harness``): a script written against each stock client gets
+"""Harnesses in their own process (``molt_lightning.agents.harness.Harness``): a script written against each stock client gets
 its session from the environment and its reward is read back (reported, or graded by a verifier); a harness that
 hangs (killed with its process group at the deadline), crashes, prints garbage or never calls the endpoint fails its
 run with a counted reason; in training, those failures are counted and never trained on while the run goes on; the
@@ -18,11 +18,11 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from molt_lightning import Rollout
-from molt_lightning.chat import ChatTemplate
-from molt_lightning.client import AgentClient
-from molt_lightning.endpoint import Endpoint
+from molt_lightning.agents.chat import ChatTemplate
+from molt_lightning.agents.client import AgentClient
+from molt_lightning.agents.wire.endpoint import Endpoint
 from molt_lightning.engines import TorchEngine
-from molt_lightning.harness import Harness, HarnessFailed
+from molt_lightning.agents.harness import Harness, HarnessFailed
 from molt_lightning.tasks import python_tool
 from molt_lightning.trajectory import Trajectory
 
@@ -213,7 +213,7 @@ def test_the_harness_recipe_runs_through_the_cli(tmp_path):
     import pandas as pd
 
     out = subprocess.run(
-        [sys.executable, "-m", "molt_lightning.cli", "fit", "--config", "recipes/harness.yaml",
+        [sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/harness.yaml",
          "--model.engine", "molt_lightning.engines.TorchEngine", "--trainer.max_steps", "2",
          "--model.agent.init_args.command", '[python, tests/helpers/bad_harness.py, ok]',
          "--model.rollout.group_size", "2", "--model.rollout.prompts_per_step", "2",

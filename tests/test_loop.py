@@ -147,7 +147,7 @@ def test_resume_continues_at_saved_step_and_version(engine, tmp_path):
 async def flaky_agent(client, sample):
     """Member 0 of each group raises, member 1 returns NaN, member 2 overruns its time; whole groups fail
     for answers divisible by 5."""
-    index = client.trajectory.info["index"]
+    index = client.trajectory.member
     if sample["answer"] % 5 == 0:
         raise ValueError("the whole group fails")
     if index == 2:
@@ -174,7 +174,7 @@ def test_failed_agents_and_nan_rewards_are_counted_and_never_trained(tmp_path, c
         in messages
     assert "non-finite reward nan" in messages and "timed out after 2.0s" in messages
     for _, b in batches.seen:
-        assert all(t.info["index"] == 3 for t in b.trajectories)  # only the healthy member ever trains
+        assert all(t.member == 3 for t in b.trajectories)  # only the healthy member ever trains
         assert all(math.isfinite(t.reward) for t in b.trajectories)
 
 

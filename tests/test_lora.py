@@ -295,7 +295,7 @@ def test_engine_refuses_the_other_policy_kind_and_foreign_tensors(policy_path, a
 def test_fsdp2_with_lora_is_refused_by_the_cli_before_anything_starts(tmp_path, strategy):
     from test_cli import run
 
-    out = run("-m", "molt_lightning.cli", "fit", "--config", "recipes/lora.yaml", "--trainer.strategy", strategy,
+    out = run("-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/lora.yaml", "--trainer.strategy", strategy,
               "--trainer.devices", "2", "--trainer.logger.init_args.save_dir", str(tmp_path))
     assert out.returncode != 0 and "model.lora with --trainer.strategy fsdp2 or fsdp2_ep is not supported" in out.stderr
     assert "use --trainer.strategy ddp" in out.stderr and "Traceback" not in out.stderr
@@ -305,7 +305,7 @@ def test_fsdp2_with_lora_is_refused(peft_lm):
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from molt_lightning import parallel
-    from molt_lightning.policy import Policy
+    from molt_lightning.trainer.policy import Policy
 
     with pytest.raises(ValueError, match="use --trainer.strategy ddp"):
         parallel.shard(Policy(peft_lm), ModelParallelStrategy())
@@ -325,7 +325,7 @@ def test_lora_recipe_trains_through_the_cli(tmp_path, policy_path):
 def test_bad_lora_key_in_a_recipe_names_the_fix(tmp_path):
     from test_cli import run
 
-    out = run("-m", "molt_lightning.cli", "fit", "--config", "recipes/lora.yaml",
+    out = run("-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/lora.yaml",
               "--model.engine", "molt_lightning.engines.TorchEngine", "--model.lora.r", "0",
               "--trainer.logger.init_args.save_dir", str(tmp_path))
     assert out.returncode != 0 and "model.lora.r must be between 1 and 512" in out.stderr

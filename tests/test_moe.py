@@ -13,7 +13,7 @@ import torch
 from molt_lightning import moe
 from molt_lightning.engines import TorchEngine
 from molt_lightning.engines.base import Sampling
-from molt_lightning.policy import Policy
+from molt_lightning.trainer.policy import Policy
 from molt_lightning.trajectory import Kind, Span, Trajectory, collate, place_routing
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
@@ -272,6 +272,6 @@ def test_vllm_engine_captures_the_routing_hf_computes_and_reloads_experts(moe_pa
 def test_moe_vllm_recipe_parses():
     from test_cli import run
 
-    out = run("-m", "molt_lightning.cli", "fit", "--config", "recipes/moe_vllm.yaml", "--print_config")
+    out = run("-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/moe_vllm.yaml", "--print_config")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "capture_routing: true" in out.stdout and "routing: replay" in out.stdout

@@ -259,7 +259,7 @@ def test_distillation_needs_a_teacher_and_a_coefficient():
 
 
 def test_per_turn_lists_of_the_wrong_shape_fail_the_run_with_the_reason():
-    from molt_lightning.client import AgentResult
+    from molt_lightning.agents.client import AgentResult
     from molt_lightning.rollout import _check_turns
 
     assert _check_turns(AgentResult(1.0, turn_rewards=[0.0, 1.0], turn_keys=["a", ("b", 1)]), 2) is None

@@ -34,7 +34,7 @@ def test_shipped_weights_do_what_the_spec_says(task):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from molt_lightning.chat import ChatTemplate
+    from molt_lightning.agents.chat import ChatTemplate
 
     folder = tiny.arithmetic_policy(SPECS[task])
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -61,7 +61,7 @@ def test_the_shipped_teacher_is_its_spec_built_from_the_shipped_student():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from molt_lightning.chat import ChatTemplate
+    from molt_lightning.agents.chat import ChatTemplate
 
     folder = tiny.teacher_policy()
     assert folder == str(tiny.PREBUILT / tiny.teacher_name())

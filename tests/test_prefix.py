@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from molt_lightning import prefix
-from molt_lightning.policy import Policy
+from molt_lightning.trainer.policy import Policy
 
 
 def rows_batch(seed: int = 0, vocab: int = 280):

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from modules import running
 
 from molt_lightning.algorithms.objective import Norm
-from molt_lightning.batching import plan, rank_rows, rows_of
-from molt_lightning.client import AgentClient
+from molt_lightning.trainer.plan import plan, rank_rows, rows_of
+from molt_lightning.agents.client import AgentClient
 from molt_lightning.config import Rollout
 from molt_lightning.engines.base import Generation, RolloutEngine
 from molt_lightning.rollout import RolloutSource
@@ -205,7 +205,7 @@ def tiny_lm():
                                                                  HealthCheck.function_scoped_fixture])
 @given(trajectories(), st.integers(1, 7), st.sampled_from([0.7, 1.0, 1.3]))
 def test_policy_logprobs_cover_exactly_the_loss_mask(tiny_lm, trajs, chunk, temperature):
-    from molt_lightning.policy import Policy, logprobs_and_entropy
+    from molt_lightning.trainer.policy import Policy, logprobs_and_entropy
 
     b = collate(trajs, PAD, max_version=MAX_VERSION)
     with torch.no_grad():
@@ -301,9 +301,9 @@ def test_failed_samples_are_counted_and_never_trained(group_size, prompts, data)
     finished = []
 
     async def agent(client, sample):
-        k = sample["i"] * group_size + client.trajectory.info["index"]
+        k = sample["i"] * group_size + client.trajectory.member
         failure = plan_[k] if k < len(plan_) else None
-        record = (sample["i"], client.trajectory.info["index"], failure)
+        record = (sample["i"], client.trajectory.member, failure)
         if failure != "raise":
             await client.generate([1, 2], max_tokens=3)
         finished.append(record)
@@ -323,7 +323,7 @@ def test_failed_samples_are_counted_and_never_trained(group_size, prompts, data)
         counts = source.counts_now()
     failed = {(i, j) for i, j, f in finished if f}
     assert all(t.status != Status.FAILED and t.num_policy_tokens > 0 for t in batch)
-    assert not {(t.sample_id, t.info["index"]) for t in batch} & failed  # a failed sample is never trained on
+    assert not {(t.sample_id, t.member) for t in batch} & failed  # a failed sample is never trained on
     assert len({t.group_id for t in batch}) == prompts
     assert counts.failed == len(failed)  # and each one is counted
     if batch:

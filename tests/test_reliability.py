@@ -155,7 +155,7 @@ def test_processes_an_engine_started_die_with_a_sigkilled_parent(tmp_path):
     psutil = pytest.importorskip("psutil")
     parent = subprocess.Popen([sys.executable, "-c", (
         "import subprocess, sys, time\n"
-        "from molt_lightning.engines.reaper import Reaper\n"
+        "from molt_lightning.engines.vllm.reaper import Reaper\n"
         "reaper = Reaper(); before = reaper.children()\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(3600)'])\n"
         "reaper.watch(reaper.children() - before)\n"

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from molt_lightning.serve import Guard
+from molt_lightning.commands.serve import Guard
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
@@ -44,7 +44,7 @@ def test_guard_with_a_token_refuses_requests_without_it_even_from_loopback():
 
 
 def test_molt_serve_is_a_subcommand(capsys):
-    from molt_lightning.cli import main
+    from molt_lightning.commands.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["serve", "--help"])

@@ -16,9 +16,9 @@ import torch
 from starlette.responses import JSONResponse
 
 from molt_lightning.engines import nccl_channel
-from molt_lightning.engines.nccl_channel import NcclChannel
+from molt_lightning.engines.vllm.nccl import NcclChannel
 from molt_lightning.engines.pool import EnginePool
-from molt_lightning.engines.remote import RemoteVLLMEngine
+from molt_lightning.engines.vllm.remote import RemoteVLLMEngine
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 from loopback import Loopback  # noqa: E402
@@ -165,11 +165,11 @@ def test_a_failed_broadcast_fails_the_commit_resumes_the_server_and_drops_the_gr
 
 
 def test_molt_serve_nccl_enables_vllms_nccl_weight_transfer_engine(monkeypatch, tmp_path):
-    import molt_lightning.policy
+    import molt_lightning.trainer.policy
     from molt_lightning import serve
 
     seen = {}
-    monkeypatch.setattr(molt_lightning.policy, "policy_folder", lambda p: p)
+    monkeypatch.setattr(molt_lightning.trainer.policy, "policy_folder", lambda p: p)
     monkeypatch.setattr(os, "execvpe", lambda exe, cmd, env: seen.update(cmd=cmd))
     serve.main(["--policy", str(tmp_path), "--nccl", "--", "--max-model-len", "64"])
     cmd = seen["cmd"]

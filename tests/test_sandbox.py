@@ -16,8 +16,8 @@ import pytest
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap (`bwrap`) is not installed: apt-get install bubblewrap")
 
-from molt_lightning.tools import PythonSandbox, python_tool_schema  # noqa: E402
-from molt_lightning.tools import sandbox as sandbox_module  # noqa: E402
+from molt_lightning.agents.tools import PythonSandbox, python_tool_schema  # noqa: E402
+from molt_lightning.agents.tools import sandbox as sandbox_module  # noqa: E402
 
 WALL_S = 3.0
 
@@ -211,7 +211,7 @@ HANGING: list[PythonSandbox] = []  # made by the test (construction probes bwrap
 async def hanging_tool_agent(client, sample) -> float:
     """Chats once, then runs a tool that never ends (every other run) or a fine one; the tool error is counted."""
     reply = await client.chat([{"role": "user", "content": sample["question"]}], max_tokens=8)
-    code = "while True: pass" if client.trajectory.info["index"] % 2 == 0 else "print(1)"
+    code = "while True: pass" if client.trajectory.member % 2 == 0 else "print(1)"
     result = await HANGING[0].run(code)
     if not result.ok:
         client.count(f"tool_error/{result.error.split(':')[0]}")

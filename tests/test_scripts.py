@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from molt_lightning.engines.main_guard import main_guarded, unguarded_main_line
-from molt_lightning.engines.vllm_engine import VLLMEngine
+from molt_lightning.engines.vllm.main_guard import main_guarded, unguarded_main_line
+from molt_lightning.engines.vllm.engine import VLLMEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 GUARD = 'if __name__ == "__main__":'
@@ -85,7 +85,7 @@ def test_unguarded_quickstart_fails_fast_with_the_fix(policy_path, tmp_path):
 
 # ----- the detection, on small files -----
 
-PROBE = """from molt_lightning.engines.main_guard import unguarded_main_line
+PROBE = """from molt_lightning.engines.vllm.main_guard import unguarded_main_line
 
 
 def probe():

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from molt_lightning.chat import ChatTemplate
-from molt_lightning.client import AgentClient
-from molt_lightning.sft import collate, conversations, render, reply_text, sft_loss
+from molt_lightning.agents.chat import ChatTemplate
+from molt_lightning.agents.client import AgentClient
+from molt_lightning.commands.sft import collate, conversations, render, reply_text, sft_loss
 from molt_lightning.trajectory import Kind, Trajectory
 from scripted import ScriptedEngine
 
@@ -124,8 +124,8 @@ def test_the_loss_is_the_token_mean_over_assistant_tokens_by_hand():
 
 
 def test_the_loss_equals_transformers_and_ignores_everything_but_the_replies(policy_path, tokenizer):
-    from molt_lightning.models import load_lm
-    from molt_lightning.policy import Policy
+    from molt_lightning.policies import load_lm
+    from molt_lightning.trainer.policy import Policy
     from molt_lightning.tasks import arithmetic
 
     t, rng = ChatTemplate(tokenizer), random.Random(0)
@@ -152,7 +152,7 @@ def test_a_short_fit_logs_the_token_mean_validation_loss_and_writes_the_policy(t
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from molt_lightning.models.tiny import demonstrations
-    from molt_lightning.sft import SFTData, SFTModule
+    from molt_lightning.commands.sft import SFTData, SFTModule
 
     val = demonstrations(str(tmp_path / "val.jsonl"), n=20, p_tool=0.5, seed=9)
     data = SFTData(train=demonstrations(str(tmp_path / "train.jsonl"), n=16, seed=8), val=val,
@@ -203,7 +203,7 @@ def test_unreadable_files_and_dropped_rows_are_said(tmp_path, tokenizer, caplog)
     with pytest.raises(ValueError, match="no such file"):
         conversations(str(tmp_path / "missing.jsonl"), t)
     long = {"messages": [CALC[0], {"role": "assistant", "content": "x " * 300}]}
-    with caplog.at_level(logging.WARNING, logger="molt_lightning.sft"):
+    with caplog.at_level(logging.WARNING, logger="molt_lightning.commands.sft"):
         kept = conversations(write(tmp_path / "long.jsonl", [GOOD, long, GOOD]), t, max_tokens=256, drop_too_long=True)
     assert len(kept) == 2 and "dropped 1 of 3 conversations longer than 256 tokens (rows [1])" in caplog.text
     with pytest.raises(ValueError, match="every conversation is longer"):
@@ -212,7 +212,7 @@ def test_unreadable_files_and_dropped_rows_are_said(tmp_path, tokenizer, caplog)
 
 def molt(*args, timeout=600):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MOLT_QUIET": "0"}
-    return subprocess.run([sys.executable, "-m", "molt_lightning.cli", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "molt_lightning.commands.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -316,7 +316,7 @@ def test_smollm2_sft_runs_a_few_steps(tmp_path):
 
 
 def test_an_unsupported_strategy_is_answered_before_training(capsys):
-    from molt_lightning.cli import main
+    from molt_lightning.commands.cli import main
 
     with pytest.raises(SystemExit) as stop:
         main(["sft", "--config", str(ROOT / "recipes" / "sft_tiny.yaml"), "--trainer.strategy", "ddp_spawn"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from molt_lightning.engines import shm
-from molt_lightning.engines.vllm_load import _block, apply
+from molt_lightning.engines.vllm.cpu import _block, apply
 
 
 @pytest.fixture
@@ -151,7 +151,7 @@ def _served(packs: list) -> torch.nn.Module:
 
 def test_kernels_packed_ahead_leave_the_served_layers_alone_until_the_commit_swaps_them_in():
     pytest.importorskip("vllm")  # the plan asks vLLM's platform
-    from molt_lightning.engines.vllm_load import Ahead, plan
+    from molt_lightning.engines.vllm.cpu import Ahead, plan
 
     packs = []
     model = _served(packs)

@@ -69,7 +69,7 @@ def test_the_chain_sum_recipe_runs_two_steps_with_its_held_out_evaluation(tmp_pa
         if callback["class_path"].endswith("ModelCheckpoint"):
             callback["init_args"]["dirpath"] = str(tmp_path / "ckpt")
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    molt = [sys.executable, "-m", "molt_lightning.cli", "fit", "--config", str(tmp_path / "recipe.yaml")]
+    molt = [sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config", str(tmp_path / "recipe.yaml")]
     done = subprocess.run(molt, cwd=root, env={**os.environ, "HF_HUB_OFFLINE": "1", "MOLT_QUIET": "0"},
                           capture_output=True, text=True, timeout=800)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -11,8 +11,8 @@ import torch
 
 from molt_lightning.algorithms import AGGREGATIONS, AdvantageInputs, Algorithm
 from molt_lightning.algorithms.objective import Norm
-from molt_lightning.batching import pack, plan, rank_rows
-from molt_lightning.policy import Policy, logprobs_and_entropy
+from molt_lightning.trainer.plan import pack, plan, rank_rows
+from molt_lightning.trainer.policy import Policy, logprobs_and_entropy
 from molt_lightning.trajectory import Kind, Span, Trajectory, collate
 
 VOCAB = 61
@@ -114,7 +114,7 @@ def _grads(module, batch, parts):
     rewards = torch.tensor([t.reward for t in trajs])
     groups = torch.tensor([t.group_id for t in trajs])
     est = module.fns.advantage(AdvantageInputs(rewards, groups, batch.traj_ids, batch.loss_mask[:, 1:]), algo)
-    from molt_lightning.batching import Constants
+    from molt_lightning.trainer.plan import Constants
 
     module.policy.zero_grad()
     for rows, norm, scale in parts:
@@ -161,8 +161,8 @@ def test_bad_setups_are_refused_with_the_fix():
     from lightning.pytorch.accelerators import CPUAccelerator
     from lightning.pytorch.strategies import DDPStrategy
 
-    from molt_lightning.policy import check_vocab
-    from molt_lightning.parallel import check_strategy
+    from molt_lightning.trainer.policy import check_vocab
+    from molt_lightning.trainer.parallel import check_strategy
 
     cores = len(__import__("os").sched_getaffinity(0))
     trainer = SimpleNamespace(strategy=DDPStrategy(), accelerator=CPUAccelerator(), world_size=cores + 1)

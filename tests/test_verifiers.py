@@ -1,4 +1,4 @@
-"""Verifiers as rewards (``molt_lightning.data.verifiers``): each built-in on hand-made replies, math-verify on what it
+"""Verifiers as rewards (``molt_lightning.data.graders``): each built-in on hand-made replies, math-verify on what it
 is for (boxed answers, fractions, LaTeX), reasoning-gym's own scorer, user functions by dotted path, and a verifier
 that raises, hangs, dies or returns garbage: a ``VerifierFailed`` (a counted failed sample), never a crash, and the
 pool serves the next reply after it."""
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from molt_lightning.data import verifiers
-from molt_lightning.data.verifiers import VerifierFailed, extract, verify
+from molt_lightning.data.graders import VerifierFailed, extract, verify
 
 
 def score(spec: str, reply: str, answer, **sample) -> verifiers.Verdict:
@@ -107,7 +107,8 @@ def test_a_verifier_failure_is_a_counted_failed_sample_and_the_run_goes_on(tmp_p
     import lightning as L
 
     from molt_lightning import AsyncRLModule, Rollout
-    from molt_lightning.data import Answer, Source, Tasks
+    from molt_lightning.agents import Answer
+    from molt_lightning.data import Source, Tasks
     from molt_lightning.engines import TorchEngine
 
     path = tmp_path / "d.jsonl"

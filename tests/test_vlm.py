@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from molt_lightning.chat import ChatTemplate
-from molt_lightning.client import AgentClient
+from molt_lightning.agents.chat import ChatTemplate
+from molt_lightning.agents.client import AgentClient
 from molt_lightning.engines import TorchEngine
 from molt_lightning.engines.base import Sampling
-from molt_lightning.models import load_lm
-from molt_lightning.policy import Policy
+from molt_lightning.policies import load_lm
+from molt_lightning.trainer.policy import Policy
 from molt_lightning.tasks import shapes
 from molt_lightning.trajectory import ConsistencyError, Kind, Span, Trajectory, collate
-from molt_lightning.vision import BatchImages, ImageInputs, load_processor
+from molt_lightning.policies.vision import BatchImages, ImageInputs, load_processor
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 from inflight import decoding  # noqa: E402
@@ -181,7 +181,7 @@ def fake_images(n: int, value: float) -> ImageInputs:
 
 
 def test_collate_and_rows_of_keep_pixel_values_with_their_rows():
-    from molt_lightning.batching import rows_of
+    from molt_lightning.trainer.plan import rows_of
 
     def traj(i: int, n_images: int, pad: int):
         prompt = Span.context(Kind.PROMPT, [1] + [99] * 2 * n_images + [5] * pad,
@@ -238,14 +238,14 @@ def test_loop_trains_on_exactly_the_engines_tokens_with_the_images_it_saw(vlm_pa
 def test_engines_without_images_and_text_policies_give_clear_errors(policy_path, vlm_path, tokenizer, template):
     from scripted import ScriptedEngine
 
-    from molt_lightning.client import AgentClients
+    from molt_lightning.agents.sessions import AgentSessions
     from molt_lightning.engines import VLLMEngine
 
     scripted = ScriptedEngine([[5]])
     with pytest.raises(NotImplementedError, match="ScriptedEngine cannot condition on images.*TorchEngine"):
         asyncio.run(scripted.generate([1, 2], Sampling(max_tokens=1), images=fake_images(1, 0.0)))
     with pytest.raises(ValueError, match="vision-language policy but VLLMEngine cannot take images.*TorchEngine"):
-        AgentClients(VLLMEngine(), vlm_path, template.tokenizer, temperature=1.0, max_context=256)
+        AgentSessions(VLLMEngine(), vlm_path, template.tokenizer, temperature=1.0, max_context=256)
     with pytest.raises(ValueError, match="no image processor"):
         ChatTemplate(tokenizer).prompt_inputs(shapes.messages(samples(1)[0]))
     with pytest.raises(ValueError, match="use prompt_inputs"):
@@ -255,7 +255,7 @@ def test_engines_without_images_and_text_policies_give_clear_errors(policy_path,
 def test_a_generated_image_placeholder_fails_the_trajectory_and_never_reaches_a_batch(template):
     from scripted import ScriptedEngine
 
-    from molt_lightning.client import GeneratedImagePlaceholder
+    from molt_lightning.agents.client import GeneratedImagePlaceholder
 
     class ScriptedVision(ScriptedEngine):  # takes images and ignores them: this test is about its reply
         accepts_images = True

@@ -50,7 +50,7 @@ def tokenizer(policy_path):
 
 @pytest.fixture(scope="session")
 def template(tokenizer):
-    from molt_lightning.chat import ChatTemplate
+    from molt_lightning.agents.chat import ChatTemplate
 
     return ChatTemplate(tokenizer)
 

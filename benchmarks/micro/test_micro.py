@@ -24,8 +24,8 @@ import torch
 
 from molt_lightning.algorithms import Algorithm, LossInputs, objective, off_policy
 from molt_lightning.algorithms.losses import ppo_clip
-from molt_lightning.batching import plan, rows_of
-from molt_lightning.policy import Policy, logprobs_and_entropy
+from molt_lightning.trainer.plan import plan, rows_of
+from molt_lightning.trainer.policy import Policy, logprobs_and_entropy
 from molt_lightning.trajectory import Kind, collate
 
 MICRO_BATCH_TOKENS = 1024
@@ -177,7 +177,7 @@ def test_write_weight_files(benchmark, lm):
     """Staging a sync's buckets into their shared-memory slabs (``engines.shm``), as ``VLLMEngine.stage`` does: the
     slabs are written again in place every sync (before: a new safetensors file per bucket)."""
     from molt_lightning.engines import shm
-    from molt_lightning.weights import buckets as sync_buckets
+    from molt_lightning.trainer.weights import buckets as sync_buckets
 
     staging = shm.Staging("/dev/shm" if os.path.isdir("/dev/shm") else None)
     buckets = list(sync_buckets(lm, 256 * 2**20))  # WeightSync's default bucket_mb

@@ -29,7 +29,7 @@ from .correction import IS_FORMS, IS_LEVELS, IS_MODES, Correction, off_policy
 from .losses import LossInputs, masked_mean
 from .objective import AGGREGATIONS, KL_ESTIMATORS, objective
 from .registry import resolve
-from .sampling import GROUP_FILTERS, REWARD_SHAPERS, chain
+from .shaping import GROUP_FILTERS, REWARD_SHAPERS, chain
 
 ADVANTAGES: dict[str, Callable] = {
     "grpo": adv.grpo, "dr_grpo": adv.dr_grpo, "rloo": adv.rloo, "reinforce": adv.reinforce,

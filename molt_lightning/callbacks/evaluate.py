@@ -46,7 +46,8 @@ from collections.abc import Callable
 
 import lightning as L
 
-from .. import evaluation, parallel
+from ..rollout import heldout as evaluation
+from ..trainer import parallel
 from ..data.sources import prompt_key
 
 log = logging.getLogger("molt_lightning.evaluate")

@@ -19,7 +19,7 @@ from dataclasses import fields
 
 import lightning as L
 
-from ..rollout import RolloutCounts
+from ..rollout.source import RolloutCounts
 from ..trajectory import ConsistencyError
 
 COUNTS = [f.name for f in fields(RolloutCounts) if f.type == "int" and f.name != "buffered_groups"]

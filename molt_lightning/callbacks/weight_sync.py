@@ -1,5 +1,5 @@
 """``WeightSync``: when the policy's weights go to the rollout engine, tagged with the policy version; how they go
-(gathered, bucketed, pushed) is the weight flow's (``molt_lightning.weights``). The bytes sent are logged as
+(gathered, bucketed, pushed) is the weight flow's (``molt_lightning.trainer.weights``). The bytes sent are logged as
 ``perf/sync_bytes``, the trainer's seconds as ``perf/weight_sync_s``."""
 
 from __future__ import annotations

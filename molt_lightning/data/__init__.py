@@ -1,8 +1,13 @@
-"""Tasks from data (``sources``), verifiers as rewards (``verifiers``), and the one-turn agent that joins them
-(``agent.Answer``)."""
+"""Tasks from data (``sources``) and graders as rewards (``graders``); the one-turn agent that joins them is
+``molt_lightning.agents.Answer``."""
 
-from .agent import Answer
+from .graders import Verdict, VerifierFailed, verify
 from .sources import Source, Tasks
-from .verifiers import Verdict, VerifierFailed, verify
 
-__all__ = ["Answer", "Source", "Tasks", "Verdict", "VerifierFailed", "verify"]
+__all__ = ["Source", "Tasks", "Verdict", "VerifierFailed", "verify"]
+
+
+def __getattr__(name: str):
+    if name == "Answer":
+        raise AttributeError("molt_lightning.data.Answer moved to molt_lightning.agents.Answer: name it so")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from .verifiers import resolve
+from .graders import resolve
 
 RESERVED = ("messages", "answer", "verifier", "source", "row", "tools")
 READERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}

@@ -1,11 +1,19 @@
-"""Rollout engines behind one protocol (``RolloutEngine``): vLLM in-process, a pure-torch reference, a remote vLLM
-server (``RemoteVLLMEngine``) and a pool of them (``EnginePool``)."""
+"""Rollout engines behind one protocol (``base.RolloutEngine``): the pure-torch engine (``torch_engine``), a pool of
+engines (``pool``), and vLLM's room (``vllm/``: in process, a remote server, its worker extension, and the one module
+that knows vLLM's CPU platform). Names are imported on first use, so a vLLM worker that imports its extension does not
+import every engine."""
 
-from .base import EngineUnavailable, Generation, RolloutEngine, Sampling
-from .pool import EnginePool
-from .remote import RemoteVLLMEngine
-from .torch_engine import TorchEngine
-from .vllm_engine import VLLMEngine
+from __future__ import annotations
 
-__all__ = ["EnginePool", "EngineUnavailable", "Generation", "RemoteVLLMEngine", "RolloutEngine", "Sampling",
-           "TorchEngine", "VLLMEngine"]
+import importlib
+
+_HOME = {"EngineUnavailable": ".base", "Generation": ".base", "RolloutEngine": ".base", "Sampling": ".base",
+         "EnginePool": ".pool", "TorchEngine": ".torch_engine", "VLLMEngine": ".vllm.engine",
+         "RemoteVLLMEngine": ".vllm.remote"}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOME[name], __name__), name)

@@ -24,12 +24,12 @@ update for when it is back (``defer``).
 A LoRA policy (``model.lora``) is launched with its ``Adapter`` (peft's adapter config): the engine then serves the
 base model plus that adapter, and a sync carries only the adapter's tensors, under peft's names (as
 ``get_peft_model_state_dict`` gives them), through the same phases; each update is a new adapter version. What a sync
-carries is decided in one place, ``molt_lightning.weights``.
+carries is decided in one place, ``molt_lightning.trainer.weights``.
 Vision-language policies: ``generate(prompt_ids, sampling, images=...)`` takes the pixel values of the images whose
 image tokens the prompt holds (``vision.ImageInputs``). An engine that can condition on them sets ``accepts_images``
 and implements ``_generate(prompt_ids, sampling, images)``; the others keep ``_generate(prompt_ids, sampling)``, and
 a request with images is refused with an error naming the engine that takes them (on the CPU only ``TorchEngine``:
-vLLM's vision models import torchvision, built for CUDA only; see ``molt_lightning.vision``).
+vLLM's vision models import torchvision, built for CUDA only; see ``molt_lightning.policies.vision``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..vision import ImageInputs
+from ..policies.vision import ImageInputs
 from .fingerprint import Print, Sample, verify
 
 log = logging.getLogger("molt_lightning.engines")
@@ -255,7 +255,7 @@ class RolloutEngine(ABC):
             raise NotImplementedError(
                 f"{type(self).__name__} cannot condition on images: serve a vision-language policy with "
                 "molt_lightning.engines.TorchEngine (vLLM's vision models need torchvision, which PyPI builds for "
-                "CUDA only; see molt_lightning.vision)")
+                "CUDA only; see molt_lightning.policies.vision)")
         with self._busy():
             prompt = list(prompt_ids)
             out = await (self._generate(prompt, sampling) if images is None

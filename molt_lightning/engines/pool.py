@@ -33,7 +33,7 @@ import time
 from collections import Counter, OrderedDict
 
 from .base import EngineUnavailable, Generation, RolloutEngine, Sampling
-from .remote import RemoteVLLMEngine
+from .vllm.remote import RemoteVLLMEngine
 
 
 class EnginePool(RolloutEngine):

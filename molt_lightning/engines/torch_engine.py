@@ -21,7 +21,7 @@ pixel values of its prompt's images (``accepts_images``): the batch's images, in
 full-context forward (the prefill, and the recompute after a weight update), where the model puts the vision
 tower's features at the image tokens; decode steps read the KV cache only. On the CPU this is the engine that serves
 a VLM: vLLM's vision path needs torchvision, built for CUDA only (on GPUs: CUDA torch + torchvision + vLLM; see
-``molt_lightning.vision``).
+``molt_lightning.policies.vision``).
 
 The decode loop is written by hand because ``generate`` offers no point between steps to swap weights and tag
 versions; the model forward, KV cache and position handling are transformers'.
@@ -35,8 +35,8 @@ from collections.abc import Mapping
 
 import torch
 
-from .. import moe
-from ..vision import ImageInputs
+from ..policies import moe
+from ..policies.vision import ImageInputs
 from .base import Generation, RolloutEngine, Sampling
 from .fingerprint import Print, fingerprint
 
@@ -57,7 +57,7 @@ class TorchEngine(RolloutEngine):
         self._scheduler: asyncio.Task | None = None
 
     async def open(self, model_path: str) -> None:
-        from ..models import load_lm
+        from ..policies import load_lm
 
         self.model = load_lm(model_path, self.dtype).to(self.device).eval()
         self._names = set(dict(self.model.named_parameters()))  # what a sync must carry

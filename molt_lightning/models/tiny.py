@@ -220,7 +220,7 @@ def tool_route_success(model, template, pad_id: int, n: int = 256, seed: int = 1
     out: it is what RL is meant to change."""
     import torch
 
-    from ..sft import collate, render
+    from ..commands.sft import collate, render
     from ..tasks import arithmetic
 
     task = task or arithmetic
@@ -239,7 +239,7 @@ def tool_route_success(model, template, pad_id: int, n: int = 256, seed: int = 1
 
 def cosine(i: int, n: int, peak: float) -> float:
     """The warm start's learning rate at step ``i`` of ``n``: linear warm-up over 10%, then cosine decay to 0."""
-    from ..sft import warmup_cosine
+    from ..commands.sft import warmup_cosine
 
     return peak * warmup_cosine(i, n, max(1, n // 10))
 
@@ -254,7 +254,7 @@ def build(out: Path, spec: dict) -> None:
     import torch
     import transformers
 
-    from ..chat import ChatTemplate
+    from ..agents.chat import ChatTemplate
 
     sft, task = spec["sft"], _task(spec)
     torch.manual_seed(sft["seed"])
@@ -306,7 +306,7 @@ def demonstration_step(model, opt, template, pad: int, task, rng: random.Random,
     their rollouts (``sft.render``), transformers' loss (``sft.sft_loss``'s value), the gradient clipped to norm 1."""
     import torch
 
-    from ..sft import collate, render
+    from ..commands.sft import collate, render
 
     for group in opt.param_groups:
         group["lr"] = lr
@@ -342,7 +342,7 @@ def build_teacher(out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..chat import ChatTemplate
+    from ..agents.chat import ChatTemplate
     from ..tasks import arithmetic
 
     spec, student = TEACHER_SPEC, arithmetic_policy()

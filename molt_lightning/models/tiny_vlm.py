@@ -13,7 +13,7 @@ shipped-build lookup), extended there, not copied.
 
 Shipped like the text policies (``models/prebuilt/``; ``python -m molt_lightning.models.tiny_vlm`` rebuilds
 it, a few CPU-minutes). On the CPU it is served by the ``TorchEngine``: vLLM's LLaVA code imports torchvision, which
-PyPI builds only for CUDA (see ``molt_lightning.vision``). Hand-written: the build recipe (no library makes a tiny
+PyPI builds only for CUDA (see ``molt_lightning.policies.vision``). Hand-written: the build recipe (no library makes a tiny
 VLM policy for a task).
 """
 
@@ -80,7 +80,7 @@ def sft_example(template, dialogue: list[dict]):
 def _inputs(template, dialogues: list[list[dict]], pad: int):
     import torch
 
-    from ..sft import collate
+    from ..commands.sft import collate
 
     examples = [sft_example(template, d) for d in dialogues]
     ids, labels, _ = collate([e for e, _ in examples], pad)  # (B, T), (B, T)
@@ -108,7 +108,7 @@ def build(out: Path, spec: dict) -> None:
     """Tokenizer and processor, random init, then the two supervised phases (see the module docstring)."""
     import torch
 
-    from ..chat import ChatTemplate
+    from ..agents.chat import ChatTemplate
     from ..tasks import shapes
 
     sft = spec["sft"]

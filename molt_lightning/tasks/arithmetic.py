@@ -110,7 +110,7 @@ async def two_question_agent(client, sample: dict[str, Any]):
     answers the question (scored by ``tool_call_score``, as ``single_turn_agent``), then a second question that is
     not scored. The per-turn rewards say so (``[score, 0]``), for the turn-level estimators; a trajectory-level
     estimator credits both replies with the score."""
-    from ..client import AgentResult
+    from ..agents.client import AgentResult
 
     second = make_problem(random.Random(sample["expression"]))["question"]
     messages = [{"role": "user", "content": sample["question"]}]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..envs import Environment, Step
+from ..agents.env import Environment, Step
 from .arithmetic import MAX_TURNS, calculator, reward
 
 MAX_TOKENS = 16  # per reply, as calculator_agent asks

@@ -6,7 +6,7 @@
 (``python_tool.reward``), else 0.0. Typed ``Action``/``Observation``/``State`` as OpenEnv asks; ``app()`` serves it
 (``create_app``: ``uvicorn --factory molt_lightning.tasks.openenv_envs:app --host 127.0.0.1``).
 
-Played by ``molt_lightning.adapters.OpenEnvAgent(environment="molt_lightning.tasks.openenv_envs:ArithmeticEnv",
+Played by ``molt_lightning.agents.adapters.OpenEnvAgent(environment="molt_lightning.tasks.openenv_envs:ArithmeticEnv",
 action="molt_lightning.tasks.openenv_envs:AnswerAction")`` on the reset seeds ``adapters.seeds``
 (``recipes/openenv.yaml``). This module imports ``openenv`` and ``fastmcp``: it is an OpenEnv environment.
 """

@@ -2,7 +2,7 @@
 
 The agent (``openai_agent``) is what an agent looks like in the wild: ``openai.AsyncOpenAI`` pointed at the run's
 loopback endpoint (``client.base_url``, with the trajectory's own ``client.api_key``), ``tools=[python]``, tool calls
-executed in ``molt_lightning.tools.sandbox.PythonSandbox`` (no network, a private directory, time/CPU/memory/process
+executed in ``molt_lightning.agents.tools.sandbox.PythonSandbox`` (no network, a private directory, time/CPU/memory/process
 limits), their output sent back as ``tool`` messages. Reward 1 when the final reply is the exact result.
 
 The tiny policy for it (``molt_lightning.models.tiny.python_tool_policy``) is warm-started on ``demonstration``
@@ -54,7 +54,7 @@ def sandbox():
     """The process-wide sandbox the agents share (made on first use)."""
     global _sandbox
     if _sandbox is None:
-        from ..tools.sandbox import PythonSandbox
+        from ..agents.tools.sandbox import PythonSandbox
 
         _sandbox = PythonSandbox(wall_s=5.0, cpu_s=5, memory_mb=256, max_output=300)
     return _sandbox

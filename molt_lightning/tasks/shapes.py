@@ -5,7 +5,7 @@ cells (aligned with the tiny policy's 8x8 vision patches, so one square is one i
 green or blue; the question is ``"How many red squares?"`` and the answer ``ANSWER k`` (k in 0..4). The agent
 (``count_agent``) sends one user message with OpenAI/Hugging Face-style content parts (``{"type": "image", "image":
 PIL.Image}`` then the text); the client expands the image into its image tokens and carries the pixel values with the
-trajectory (``molt_lightning.vision``).
+trajectory (``molt_lightning.policies.vision``).
 
 The tiny policy for it (``molt_lightning.models.tiny_vlm``) is warm-started on ``demonstration`` dialogues whose
 answer is right with probability ``p_right`` (else a random count), so it starts above chance and has room to learn.

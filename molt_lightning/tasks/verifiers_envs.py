@@ -7,7 +7,7 @@
   ``vf.Toolset`` (an MCP server verifiers starts once per run, ``python -m molt_lightning.tasks.verifiers_envs``)
   that runs the code in ``python_tool.sandbox()`` and returns what it prints; the metric ``tool_calls``.
 
-Run them with ``molt_lightning.adapters.VerifiersAgent("molt_lightning.tasks.verifiers_envs:ArithmeticTaskset")``
+Run them with ``molt_lightning.agents.adapters.VerifiersAgent("molt_lightning.tasks.verifiers_envs:ArithmeticTaskset")``
 (and ``VerifiersTasks`` for the tasks): ``recipes/verifiers_single_turn.yaml``, ``recipes/verifiers_tool.yaml``.
 This module imports ``verifiers``: it is a verifiers environment.
 """

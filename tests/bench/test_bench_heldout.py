@@ -11,7 +11,7 @@ from scipy import stats
 
 from molt_lightning.bench.cli import main
 from molt_lightning.bench.heldout import heldout
-from molt_lightning.evaluation import summarize, Outcome
+from molt_lightning.rollout.heldout import summarize, Outcome
 
 
 def round_record(version: int, correct: np.ndarray) -> dict:

@@ -50,7 +50,7 @@ def stock_runs(tmp_path_factory):
     pytest.importorskip("trl")
     from transformers import GenerationMixin
 
-    from molt_lightning.client import AgentClient
+    from molt_lightning.agents.client import AgentClient
     from molt_lightning.engines import TorchEngine, VLLMEngine
 
     root = tmp_path_factory.mktemp("trl_stock")

@@ -10,7 +10,7 @@ import os
 
 import lightning as L
 
-from molt_lightning.weights import buckets
+from molt_lightning.trainer.weights import buckets
 
 
 class Probe(L.Callback):

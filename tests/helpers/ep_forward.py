@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from molt_lightning.expert_parallel import expert_modules, shard_experts
+from molt_lightning.policies.expert_parallel import expert_modules, shard_experts
 
 CASES = {"random": (7, 12), "skewed": (9, 0), "local": (6, 5)}
 

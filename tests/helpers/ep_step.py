@@ -22,9 +22,9 @@ from train_step import StepBench  # noqa: E402
 from molt_lightning import parallel  # noqa: E402
 from molt_lightning.algorithms import Algorithm  # noqa: E402
 from molt_lightning.config import Batching, MoE, Optim  # noqa: E402
-from molt_lightning.weights import buckets as sync_buckets  # noqa: E402
+from molt_lightning.trainer.weights import buckets as sync_buckets  # noqa: E402
 from molt_lightning.engines import TorchEngine  # noqa: E402
-from molt_lightning.moe import ROUTING_DTYPE  # noqa: E402
+from molt_lightning.policies.moe import ROUTING_DTYPE  # noqa: E402
 
 MOE = "molt_lightning.models.tiny.moe_policy"
 

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from dataclasses import fields
 
 from molt_lightning import AsyncRLModule, Batching, MoE, Optim, Rollout
-from molt_lightning.client import AgentClients
+from molt_lightning.agents.sessions import AgentSessions
 from molt_lightning.tasks import arithmetic
 
 RECORDS = {"rollout": Rollout, "optim": Optim, "batching": Batching, "moe": MoE}
@@ -29,7 +29,7 @@ def make_module(engine=None, **kw) -> AsyncRLModule:
 def running(source, engine, model_path: str = "fake", tokenizer=None, max_context: int = 1024):
     engine.launch(model_path)
     try:
-        clients = AgentClients(engine, model_path, tokenizer, source.rollout.temperature, max_context)
+        clients = AgentSessions(engine, model_path, tokenizer, source.rollout.temperature, max_context)
         clients.start()
         try:
             source.start(clients)

@@ -7,4 +7,4 @@ import signal
 
 if __name__ == "__main__":  # vLLM's engine core starts with spawn and imports this module again: run molt once
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    runpy.run_module("molt_lightning.cli", run_name="__main__", alter_sys=True)
+    runpy.run_module("molt_lightning.commands.cli", run_name="__main__", alter_sys=True)

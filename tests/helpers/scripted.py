@@ -34,8 +34,8 @@ def run_at_endpoint(template, replies, run, *, counter=None, max_context: int = 
     Returns (what ``run`` returned, or with ``catch`` the exception it raised, the client)."""
     import asyncio
 
-    from molt_lightning.client import AgentClient
-    from molt_lightning.endpoint import Endpoint
+    from molt_lightning.agents.client import AgentClient
+    from molt_lightning.agents.wire.endpoint import Endpoint
     from molt_lightning.trajectory import Trajectory
 
     engine = ScriptedEngine((template.encode(r) + [template.eos_id] for r in replies), version=version)

@@ -15,7 +15,7 @@ from train_step import POLICIES, StepBench  # noqa: E402
 
 from molt_lightning.algorithms import Algorithm  # noqa: E402
 from molt_lightning.config import Batching, Optim  # noqa: E402
-from molt_lightning.weights import buckets  # noqa: E402
+from molt_lightning.trainer.weights import buckets  # noqa: E402
 
 
 class SGDStep(StepBench):

@@ -1,0 +1,373 @@
+"""``molt``: the command line, LightningCLI over ``AsyncRLModule`` (``molt fit --config recipes/X.yaml``).
+
+Every Trainer flag works (``--trainer.max_steps 3``); ``--trainer.strategy`` is ``auto``, ``ddp``, ``fsdp2`` or
+``fsdp2_ep`` (two CPU processes: ``--trainer.devices 2``). vLLM is imported only when an engine starts, so
+``--help`` answers at once. The progress bar counts optimizer steps (``StepProgressBar``) unless the recipe brings its
+own or ``--trainer.enable_progress_bar false``; a summary closes the run (``RunSummary``). On a terminal (or with
+``MOLT_QUIET=1``) that is all the terminal shows: everything else goes to ``molt.log`` in the run folder
+(``callbacks.runlog``). Checkpoints are written atomically, a full disk named
+(``callbacks.checkpoint.AtomicCheckpointIO``), unless the recipe brings its own ``CheckpointIO``. ``molt serve``
+starts a vLLM server for ``RemoteVLLMEngine``/``EnginePool`` (``molt_lightning.commands.serve``); ``molt export`` writes a
+checkpoint as a Hugging Face folder (``molt_lightning.commands.export``); ``molt eval`` runs a recipe's ``Evaluate`` alone on a
+policy folder or a checkpoint (``evaluate_main``).
+
+A bad recipe is answered before anything starts, with the problem and its fix and no traceback: jsonargparse's
+parse errors (YAML syntax, unknown keys, wrong types, dotted paths that do not import or are the wrong kind of
+class) get a ``fix:`` line (``MoltParser``); ``check_recipe`` then checks what the parser cannot (the policy folder
+and its tokenizer against its embeddings, an async agent, a plain ``tasks(seed)``, the dtype); a ``ValueError`` or
+Lightning ``MisconfigurationException`` from a constructor (sizes, ranges, names) is printed the same way.
+``JSONARGPARSE_DEBUG=1`` shows the traceback of any of them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+from lightning.pytorch.cli import LightningArgumentParser
+
+EXAMPLES = {  # what a parser key takes, for the fix line of its errors
+    "model.agent": "the dotted path of an `async def agent(client, sample) -> reward`, importable where molt runs "
+                   "(e.g. molt_lightning.tasks.arithmetic.calculator_agent), or a class_path whose instances are "
+                   "such agents, with its init_args (e.g. molt_lightning.agents.env.EnvAgent with init_args {environment: "
+                   "molt_lightning.tasks.arithmetic_env.CalculatorEnv})",
+    "model.tasks": "the dotted path of a function `tasks(seed)` returning an iterator of samples "
+                   "(e.g. molt_lightning.tasks.arithmetic.tasks), or molt_lightning.data.Tasks with its data sources "
+                   "under init_args (e.g. {class_path: molt_lightning.data.Tasks, init_args: {sources: [{path: "
+                   "data/train.jsonl, prompt: question, answer: answer}]}})",
+    "model.engine": "a RolloutEngine class: molt_lightning.engines.VLLMEngine, molt_lightning.engines.TorchEngine, "
+                    "molt_lightning.engines.RemoteVLLMEngine or molt_lightning.engines.EnginePool (its arguments "
+                    "under init_args)",
+    "model.algo": "the fields of molt_lightning.algorithms.Algorithm (see recipes/algorithms/)",
+    "trainer.callbacks": "a list of Lightning Callback classes, each a class_path and its init_args "
+                         "(e.g. lightning.pytorch.callbacks.ModelCheckpoint, molt_lightning.callbacks.RolloutSamples)",
+    "trainer.logger": "a Lightning logger class (e.g. lightning.pytorch.loggers.CSVLogger) or false",
+    "trainer.plugins": "Lightning plugins (e.g. a CheckpointIO class)",
+}
+_UNKNOWN = re.compile(r"does not accept option '([^']+)'|unrecognized arguments: (\S+)|Option '([^']+)' is not acc")
+
+
+class MoltParser(LightningArgumentParser):
+    """LightningCLI's parser with a one-line usage (not the page of every option) and a ``fix:`` after each error."""
+
+    _reading = None  # the recipe file being read, if any
+
+    def print_usage(self, file=None) -> None:
+        if self._subcommands_action is not None:
+            return super().print_usage(file)
+        prog = self.prog.replace(" [options]", "")
+        (file or sys.stdout).write(f"usage: {prog} --config RECIPE.yaml [--trainer.KEY VALUE] [--model.KEY VALUE]\n")
+
+    def parse_path(self, path, *args, **kwargs):
+        self._reading = path  # a YAML error in it is reported while it is read: name the file
+        try:
+            return super().parse_path(path, *args, **kwargs)
+        finally:
+            self._reading = None
+
+    def error(self, message: str, ex: Exception | None = None):
+        fix = fix_for(message, getattr(ex, "subcommand_parser", None) or self)
+        if getattr(self, "_reading", None):
+            message = message.replace('"<unicode string>"', str(self._reading))
+        super().error(f"{message}\nfix: {fix}" if fix else message, ex)
+
+
+def fix_for(message: str, parser) -> str | None:
+    """The fix line for a parse error, or None when the message says it already."""
+    if message.startswith("Problems parsing config"):
+        return ("the recipe is not valid YAML at the line and column above: nest keys by indenting them under their "
+                "parent (spaces, not tabs), write `key: value`, and close every bracket and quote")
+    if m := re.search(r"arguments are required: (.+)", message):
+        wanted = [k.strip().removeprefix("fit.") for k in m[1].split(",")]
+        return "; ".join(f"{k} takes {EXAMPLES[k]}" for k in wanted if k in EXAMPLES) or None
+    if m := re.match(r'Parser key "([^"]+)"', message):
+        if bad := re.search(r"class_path '([^']+)':\s+Option '([^']+)' is not accepted", message):
+            return _init_arg_fix(*bad.groups())
+        key = next((k for k in EXAMPLES if m[1] == k or m[1].startswith(k + ".")), None)
+        return f"{key} takes {EXAMPLES[key]}" if key else None
+    if m := _UNKNOWN.search(message):
+        key = next(g for g in m.groups() if g).lstrip("-").split("=")[0]
+        keys, leaf, root = _keys(parser), key.rpartition(".")[2], key.partition(".")[0]
+        moved = [k for k in keys if k.rpartition(".")[2] == leaf and k.partition(".")[0] == root]  # in a group now
+        leaves = difflib.get_close_matches(leaf, {k.rpartition(".")[2] for k in keys}, n=2)
+        close = moved[:3] or difflib.get_close_matches(key, keys, n=3, cutoff=0.75) \
+            or [k for k in keys if k.rpartition(".")[2] in leaves][:3]
+        prog = parser.prog.replace(" [options]", "")
+        known = f"`{prog} --help` lists every key (a recipe nests them under trainer:, model:, seed_everything:)"
+        return f"did you mean {' or '.join(close)}? {known}" if close else known
+    return None
+
+
+def _init_arg_fix(class_path: str, arg: str) -> str:
+    """The fix for an init_args key the class does not take: the close ones it does."""
+    module, _, name = class_path.rpartition(".")
+    params = list(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
+    close = difflib.get_close_matches(arg, params, n=2, cutoff=0.7)
+    guess = f"did you mean {' or '.join(f'init_args.{c}' for c in close)}? " if close else ""
+    return f"{guess}{name} takes {', '.join(params)}"
+
+
+def _keys(parser) -> list[str]:
+    parsers = [parser, *getattr(parser._subcommands_action, "_name_parser_map", {}).values()]
+    return sorted({a.dest for p in parsers for a in p._actions if a.dest and not a.dest.endswith("help")})
+
+
+def check_recipe(model) -> None:
+    """What the parser cannot check in the model's settings (``model``: its parsed namespace); raises ``ValueError``
+    naming the setting and the fix."""
+    import torch
+
+    from ..trainer.policy import policy_folder
+
+    dtype = getattr(torch, str(model.dtype), None)
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"model.dtype {model.dtype!r} is not a torch floating-point dtype: use float32, bfloat16 or "
+                         "float16")
+    agent, tasks = model.agent, model.tasks
+    if getattr(agent, "class_path", None):  # a class whose instances are agents; its init_args are checked when made
+        import pydoc
+
+        agent = pydoc.locate(agent.class_path).__call__  # jsonargparse imported it already
+    if not (inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None))):
+        raise ValueError(f"model.agent {_name(agent)} is not an async function: declare it "
+                         "`async def agent(client, sample)` (it awaits client.chat / client.generate)")
+    if not getattr(model.agent, "class_path", None):
+        _check_call(agent, "model.agent", "(client, sample)", None, None)
+    if getattr(tasks, "class_path", None):  # a class whose instances are tasks(seed), e.g. molt_lightning.data.Tasks
+        import pydoc
+
+        tasks = pydoc.locate(tasks.class_path).__call__
+    if inspect.iscoroutinefunction(tasks) or inspect.isasyncgenfunction(tasks):
+        raise ValueError(f"model.tasks {_name(tasks)} is async: it must be a plain function (or generator) "
+                         "`tasks(seed)` returning an iterator of samples")
+    if not getattr(model.tasks, "class_path", None):
+        _check_call(tasks, "model.tasks", "(seed)", 0)
+    folder = policy_folder(model.policy)
+    if model.get("teacher") is not None:  # distillation: the teacher's folder and tokenizer, before anything starts
+        from transformers import AutoTokenizer
+
+        from ..trainer.policy import teacher_folder
+
+        teacher_folder(model.teacher, AutoTokenizer.from_pretrained(folder))
+
+
+def _check_call(fn, key: str, params: str, *args) -> None:
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError as e:
+        raise ValueError(f"{key} {_name(fn)} must take {params}, but: {e}") from None
+    except ValueError:  # no signature to read (a builtin): it will tell at the call
+        pass
+
+
+def _name(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def main(args: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["serve"]:  # `molt serve`: a vLLM server for the remote engine (molt_lightning.commands.serve)
+        from .serve import main as serve
+
+        return serve(argv[1:])
+    if argv[:1] == ["export"]:  # `molt export CKPT OUT`: a Hugging Face folder (molt_lightning.commands.export)
+        from .export import main as export
+
+        return export(argv[1:])
+    if argv[:1] == ["eval"]:  # `molt eval --config RECIPE`: the recipe's evaluation alone (molt_lightning.rollout.heldout)
+        return evaluate_main(argv[1:])
+    if argv[:1] == ["sft"]:  # `molt sft --config RECIPE`: supervised fine-tuning (molt_lightning.commands.sft)
+        from .sft import main as sft
+
+        return sft(argv[1:], MoltParser)
+    from ..callbacks.checkpoint import DiskFull
+    from ..callbacks.runlog import QuietTerminal
+    from ..engines import EngineUnavailable
+    from ..module import AsyncRLModule
+    from ..rollout.source import RolloutFailures, RolloutStopped
+
+    quiet: list[QuietTerminal] = []  # the fit's quiet terminal, once it is set up
+    failed = True
+    try:
+        molt_cli(quiet)(
+            AsyncRLModule,
+            save_config_kwargs={"overwrite": True},
+            parser_class=MoltParser,
+            parser_kwargs={"prog": "molt"},  # also under python -m molt_lightning.commands.cli
+            args=args,
+            auto_configure_optimizers=False,
+        )
+        failed = False
+    except SystemExit as e:
+        failed = e.code not in (0, None)
+        raise
+    # SIGTERM while waiting for rollouts (the engine is shut down by now: exit 143); the failure breaker; remote
+    # engines gone or not answering; a checkpoint that did not fit (the earlier ones are intact): one line each
+    except (RolloutStopped, RolloutFailures, EngineUnavailable, DiskFull) as e:
+        print(f"molt: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        sys.exit(128 + 15 if isinstance(e, RolloutStopped) else 1)
+    finally:
+        if quiet:
+            quiet[0].end(failed)
+
+
+def molt_cli(quiet: list | None = None):
+    """The LightningCLI class of ``molt`` (made on demand: importing Lightning's CLI costs a second); ``quiet`` gets
+    the fit's quiet terminal once it is set up."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch.callbacks import ProgressBar
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.plugins import CheckpointIO
+
+    from ..callbacks import StepProgressBar
+    from ..callbacks.checkpoint import AtomicCheckpointIO
+    from ..callbacks.runlog import QuietTerminal, RunSummary, wants_quiet
+    from ..trainer.parallel import LORA_UNDER_FSDP2, STRATEGIES, SUPPORTED
+
+    quiet = [] if quiet is None else quiet
+
+    class MoltCLI(LightningCLI):
+        def before_instantiate_classes(self) -> None:
+            if self.subcommand is not None:
+                with self._answered():
+                    config = self.config[self.subcommand]
+                    check_recipe(config.model)
+                    sharded = config.trainer.get("strategy") in ("fsdp2", "fsdp2_ep")
+                    if config.model.get("lora") is not None and sharded:
+                        raise ValueError(LORA_UNDER_FSDP2)  # before any process starts (parallel.shard says it too)
+
+        def instantiate_classes(self) -> None:
+            with self._answered():
+                if self.subcommand == "fit" and wants_quiet():
+                    quiet.append(QuietTerminal())
+                super().instantiate_classes()
+
+        def before_fit(self) -> None:
+            if quiet:  # the run folder is known now; the log moves there before fit starts any other process
+                logger = self.trainer.logger
+                quiet[0].move_to(Path(logger.log_dir if logger else self.trainer.default_root_dir) / "molt.log")
+
+        @contextmanager
+        def _answered(self):
+            """A recipe error raised inside becomes the parser's error message (problem and fix, no traceback)."""
+            try:
+                yield
+            except (ValueError, MisconfigurationException) as e:
+                parser = self._subcommand_parsers[self.subcommand] if self.subcommand else self.parser
+                parser.error(str(e), e)
+
+        def instantiate_trainer(self, **kwargs):
+            trainer = self._get(self.config_init, "trainer", default={})
+            strategy = trainer.get("strategy")
+            if isinstance(strategy, str) and strategy not in STRATEGIES:
+                hint = " (FSDP1 needs a GPU; FSDP2 runs on the CPU too)" if strategy.startswith("fsdp") else ""
+                raise ValueError(f"--trainer.strategy {strategy!r} is not supported: use {SUPPORTED}{hint}")
+            callbacks = list(trainer.get("callbacks") or [])
+            terminal = quiet[0].terminal if quiet else None
+            if trainer.get("enable_progress_bar") is not False \
+                    and not any(isinstance(c, ProgressBar) for c in callbacks):
+                callbacks.append(StepProgressBar(console_kwargs={"file": terminal} if terminal else None))
+            kwargs["callbacks"] = [*callbacks, RunSummary(out=terminal)]
+            plugins = trainer.get("plugins") or []
+            plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+            if isinstance(strategy, str) and not any(isinstance(p, CheckpointIO) for p in plugins):
+                kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
+            return super().instantiate_trainer(**kwargs)
+
+    return MoltCLI
+
+
+# ----- molt eval -----
+def evaluate_main(argv: list[str]) -> None:
+    """``molt eval --config RECIPE [--ckpt CKPT] [--out FILE] [--model.policy FOLDER] [other recipe keys]``: one round
+    of the recipe's ``Evaluate`` callback on a policy folder (the recipe's ``model.policy``, or another one), or on a
+    checkpoint (exported first, a LoRA adapter merged), with the recipe's engine and agent; prints the table and
+    writes the metrics and per-prompt rewards as JSON to ``--out``."""
+    import argparse
+    import json
+    import tempfile
+    import warnings
+
+    from ..callbacks.evaluate import Evaluate
+    from ..rollout.heldout import per_prompt_rewards, report, summarize
+    from ..module import AsyncRLModule
+
+    if {"-h", "--help"} & set(argv):
+        print("usage: molt eval --config RECIPE.yaml [--ckpt CKPT] [--out FILE.json] [--model.policy FOLDER] "
+              "[--trainer.KEY VALUE] [--model.KEY VALUE]\n\n" + inspect.cleandoc(evaluate_main.__doc__ or "")
+              + "\n\n`molt fit --help` lists every recipe key.")
+        return
+    p = argparse.ArgumentParser(prog="molt eval", add_help=False)
+    p.add_argument("--ckpt", default=None, help="a checkpoint of molt fit to evaluate (exported first)")
+    p.add_argument("--out", default=None, help="write the metrics and per-prompt rewards here (JSON)")
+    ours, rest = p.parse_known_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        if ours.ckpt:
+            from .export import export
+
+            rest = [*rest, "--model.policy", str(export(ours.ckpt, tmp, merge=True))]
+        with warnings.catch_warnings():  # "args and sys.argv both given": the eval's own flags are not LightningCLI's
+            warnings.simplefilter("ignore", UserWarning)
+            cli = molt_cli()(AsyncRLModule, run=False, args=rest, parser_class=MoltParser,
+                             parser_kwargs={"prog": "molt eval"}, auto_configure_optimizers=False,
+                             save_config_callback=None)
+        found = [c for c in cli.trainer.callbacks if isinstance(c, Evaluate)]
+        if not found:
+            raise SystemExit("molt eval: the recipe has no molt_lightning.callbacks.Evaluate under trainer.callbacks: "
+                             "add one with the held-out tasks (docs/workflow.md)")
+        evaluate, module = found[0], cli.model
+        try:
+            outcomes, seconds = evaluate_policy(module, evaluate)
+        except ValueError as e:  # a policy folder that is not one: the message names the fix
+            raise SystemExit(str(e)) from None
+    summary = summarize(outcomes, evaluate.k)
+    print(report(summary, evaluate.k))
+    print(f"molt eval: {len(outcomes)} runs in {seconds:.1f} s")
+    if ours.out:
+        with open(ours.out, "w") as f:
+            json.dump({"policy": module.hparams.policy, "k": evaluate.k, "seconds": seconds, "metrics": summary,
+                       "per_prompt": per_prompt_rewards(outcomes)}, f, indent=1)
+
+
+def evaluate_policy(module, evaluate) -> tuple[list, float]:
+    """One round of ``evaluate`` on ``module``'s policy folder and engine, outside training."""
+    import os
+    import time
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ..agents.sessions import AgentSessions
+    from ..rollout.heldout import run_round
+    from ..trainer.policy import policy_folder
+
+    if os.path.exists(os.path.join(str(module.hparams.policy), "adapter_config.json")):
+        raise ValueError(f"molt eval: {module.hparams.policy} is a LoRA adapter folder: export with --merge (or pass "
+                         "--ckpt)")
+    path = policy_folder(module.hparams.policy)
+    tokenizer, rollout = AutoTokenizer.from_pretrained(path), module.rollout
+    max_context = rollout.max_context or AutoConfig.from_pretrained(path).get_text_config().max_position_embeddings
+    evaluate.select(module.source.tasks, fitting=False)
+    clients = AgentSessions(module.engine, path, tokenizer, rollout.temperature, max_context)
+    temperature = rollout.temperature if evaluate.temperature is None else evaluate.temperature
+    module.engine.launch(path)
+    try:
+        clients.start()
+        t0 = time.perf_counter()
+        outcomes = module.engine.call(run_round(
+            evaluate.samples, evaluate.agent or module.source.agent, clients, k=evaluate.k, temperature=temperature,
+            success=evaluate.success, seed=evaluate.seed, concurrency=evaluate.concurrency,
+            timeout_s=rollout.agent_timeout_s), timeout=None)
+        seconds = time.perf_counter() - t0
+        clients.stop()
+    finally:
+        module.engine.release()
+    return outcomes, seconds
+
+
+if __name__ == "__main__":  # vLLM's engine core starts with spawn: keep the entry point guarded
+    main()  # LightningCLI reads sys.argv itself (given them as args too, it warns that both were given)

@@ -1,0 +1,317 @@
+"""vLLM in-process rollout engine (``AsyncLLM``): continuous batching, exact token ids, processed logprobs.
+
+Prompts go in as token ids (never text). ``logprobs_mode="processed_logprobs"`` makes each returned logprob the
+sampled token's logprob after temperature, i.e. under the distribution it was actually drawn from; the trainer applies
+the same temperature when it recomputes. Per-token policy versions come from vLLM's own weight-version spans
+(``update_weight_version``), so a request that spans an in-flight update is tagged exactly. A weight update (the
+phases of ``engines.base.update``) pauses the scheduler with ``mode="keep"`` (requests in flight freeze), loads the
+weights through ``MoltWorkerExtension``, and tags the version after resetting the prefix cache with
+``reset_running_requests=True``: requests in flight are preempted and their KV is recomputed under the new weights.
+So every token tagged version v was sampled from policy v given its whole context; neither stale prefix-cache entries
+nor an in-flight request's old KV leak the previous weights into it.
+
+A LoRA policy (``self.adapter``, set at launch): the engine starts with ``enable_lora=True`` and serves the base model
+plus the newest adapter, one ``LoRARequest`` per version (``vllm_lora.AdapterSlots``): the update's ``tag`` phase adds
+the staged adapter under the new version (no pause, no cache reset, no base-weight reload), and every token of a
+request is tagged with the version of the adapter that request carries.
+
+Requests are not seeded one by one (``Sampling.seed`` is ignored here): with a seeded request, vLLM's CPU path
+fails once a prompt's prefill is split across scheduler steps ("CPU Generator does not use offset", then a dead
+engine), which depends on timing. vLLM runs therefore sample from the engine's seeded stream, as before; per-request
+reproducibility is the torch engine's.
+
+Images are not taken (``accepts_images`` is False: a request with images is refused, naming ``TorchEngine``).
+vLLM's vision models (LLaVA, Qwen2-VL) import torchvision, and PyPI builds torchvision for CUDA only, so on this CPU
+path a vision-language policy is served by the torch engine. On GPUs a user would install CUDA torch + torchvision +
+vLLM; passing ``multi_modal_data`` with the token prompt here is the missing piece (LLaVA's tower keys also need
+vLLM's names: ``vision_tower.*`` -> ``vision_tower.vision_model.*``, see the project's ENVIRONMENT notes).
+
+vLLM is imported only in ``start``: importing this module is cheap.
+
+Client-side cost per request (measured by ``benchmarks/overhead_profile.py``): vLLM's statistics loggers are off
+(``disable_log_stats``; the step metrics count tokens themselves), prompts go in as rendered token inputs (vLLM skips
+its tokenizer pass and the thread-pool hop it makes for raw prompts), a request's output is built once when it finishes
+(``FINAL_ONLY``, not a cumulative copy after every token), request ids are a counter, not ``uuid4``, and with
+``cpu_threads`` the engine's processes start bound to those cores, so that its scheduler process, which busy-waits on
+its workers between steps, keeps off the trainer's core.
+
+vLLM starts its engine core in a new process with multiprocessing's *spawn*, which imports the main script again
+(as ``__mp_main__``): a script that runs its training at the top level, outside ``if __name__ == "__main__":``,
+would start it again inside that process, and vLLM only says "Engine core initialization failed". ``launch``
+therefore checks the main script first (``main_guard``) and names the line and the fix; a failure that
+still says so is re-raised with its common causes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from contextlib import contextmanager
+from collections.abc import Mapping
+
+import torch
+
+from ..base import Adapter, Generation, RolloutEngine, Sampling
+from ..fingerprint import Print
+from .shm import LoadAhead, Slab, Staging
+from .main_guard import require_main_guard
+from .reaper import Reaper
+from .lora import AdapterSlots, vllm_rank
+
+
+@contextmanager
+def _bound_to(cores: str | None):
+    """Run the block bound to ``cores`` ("1", "0-1", "0,2"), then restore this process's CPU affinity."""
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    wanted = set()
+    for part in cores.split(","):
+        first, _, last = part.partition("-")
+        wanted.update(range(int(first), int(last or first) + 1))
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, wanted & before or before)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+class VLLMEngine(RolloutEngine):
+    def __init__(
+        self,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        enforce_eager: bool = True,
+        seed: int = 0,
+        kv_cache_gib: int = 1,
+        cpu_threads: str | None = None,
+        weight_dir: str = "/dev/shm",
+        engine_kwargs: dict | None = None,
+        capture_routing: bool = False,
+        load_ahead: bool = True,
+    ):
+        """``cpu_threads`` binds the CPU engine's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"`` or
+        ``"0-1"``); ``engine_kwargs`` go to ``AsyncEngineArgs`` as they are (e.g. ``gpu_memory_utilization``);
+        ``capture_routing`` records a mixture-of-experts policy's routing (``Generation.routing``, for routing
+        replay) through the worker extension: eager mode only, and prefix caching is turned off. ``load_ahead``: the
+        worker packs each staged bucket's kernels while the trainer stages the next, and the commit swaps them in
+        (``vllm_load.Ahead``; the engine holds a second set of kernels during a sync: False saves that memory)."""
+        super().__init__()
+        if capture_routing and not enforce_eager:
+            raise ValueError("VLLMEngine(capture_routing=True) hooks the routers in eager mode: set enforce_eager=True")
+        self.captures_routing = capture_routing
+        self.dtype, self.max_model_len, self.enforce_eager, self.seed = dtype, max_model_len, enforce_eager, seed
+        self.kv_cache_gib, self.cpu_threads = kv_cache_gib, cpu_threads
+        self.weight_dir = weight_dir if os.path.isdir(weight_dir) else None
+        self.engine_kwargs = engine_kwargs or {}
+        self.llm = None
+        self.reaper = Reaper()  # vLLM's engine processes die with this one, even on SIGKILL
+        self._ids = itertools.count()
+        self.staging = Staging(self.weight_dir)  # the buckets' shared-memory slabs, written again every sync
+        self._staged: list[Slab] = []  # the slabs staged for the next commit
+        self.ahead = LoadAhead(load_ahead)  # their kernels, packed by the worker as they are staged
+        self._staged_adapter: dict[str, torch.Tensor] = {}  # a LoRA policy's staged adapter tensors (peft names)
+        self.adapters: AdapterSlots | None = None  # the LoRA adapters served, when self.adapter is set
+        self._wanted: list[tuple[str, int, asyncio.Future]] = []  # finished requests whose routing is to be taken
+        self._taker: asyncio.Task | None = None
+
+    def launch(self, model_path: str, adapter: Adapter | None = None) -> None:
+        if self._users == 0:  # on the caller's thread, before vLLM's engine process is spawned
+            require_main_guard()
+        super().launch(model_path, adapter)
+
+    async def open(self, model_path: str) -> None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if self.cpu_threads is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_threads
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        lora = {} if self.adapter is None else \
+            {"enable_lora": True, "max_lora_rank": vllm_rank(self.adapter.rank), "max_loras": 2}
+        args = AsyncEngineArgs(
+            model=model_path, dtype=self.dtype, max_model_len=self.max_model_len, enforce_eager=self.enforce_eager,
+            seed=self.seed, logprobs_mode="processed_logprobs", disable_log_stats=True,
+            worker_extension_cls="molt_lightning.engines.vllm.worker.MoltWorkerExtension",
+            **({"enable_prefix_caching": False} if self.captures_routing else {}), **{**lora, **self.engine_kwargs},
+        )
+        before = self.reaper.children()
+        try:
+            with _bound_to(self.cpu_threads):  # the engine's processes inherit the binding; this one gets its own back
+                self.llm = AsyncLLM.from_engine_args(args)
+            self.reaper.watch(self.reaper.children() - before)
+        except RuntimeError as e:
+            if "Engine core initialization failed" not in str(e):
+                raise
+            raise RuntimeError(_ENGINE_FAILED.format(error=e, kv=os.environ.get("VLLM_CPU_KVCACHE_SPACE"))) from e
+        self.vocab_size = self.llm.model_config.get_vocab_size()
+        await self._warm_up()
+        await self.llm.update_weight_version(str(self.version))
+        if self.adapter is not None:
+            self.adapters = AdapterSlots(self.llm, self.adapter, self.weight_dir)
+        if self.captures_routing and not (await self.llm.collective_rpc("molt_capture_routing"))[0]:
+            raise ValueError(f"VLLMEngine(capture_routing=True): {model_path} has no mixture-of-experts layers")
+
+    async def _warm_up(self) -> None:
+        """A two-token request with logprobs (as the run's) before the engine serves: the first such request vLLM's
+        CPU engine runs pays ~2 s of one-off set-up (the tiny policy: 2.2 s, then 0.025 s; a one-token request
+        without logprobs does not set it up), which would otherwise land in the run's first step (vLLM's own
+        start-up warm-up is off in eager mode). The prefix cache is reset after it."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=2, temperature=1.0, logprobs=0, detokenize=False)
+        async for _ in self.llm.generate({"type": "token", "prompt_token_ids": [0]}, params, request_id="molt-warm-up"):
+            pass
+        await self.llm.reset_prefix_cache()
+
+    async def close(self) -> None:
+        if self.adapters is not None:
+            self.adapters.close()
+            self.adapters = None
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+        self.staging.close()
+        self.reaper.close()
+
+    async def pause(self) -> None:
+        if self.adapters is None:  # a new adapter version needs no pause: each request keeps its own adapter
+            # the engine core's pause itself: AsyncLLM.pause_generation adds a 20 ms sleep after it "for a more
+            # intuitive ordering of events" (not for correctness), 20 ms of every sync on the tiny policy's 27
+            await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        if self.adapters is None:
+            await self.llm.resume_generation()
+
+    async def _generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, not a cumulative copy per token
+            max_tokens=sampling.max_tokens, temperature=sampling.temperature, logprobs=0, detokenize=False,
+            stop_token_ids=list(sampling.stop_token_ids), skip_special_tokens=False,
+            ignore_eos=sampling.ignore_eos,  # no per-request seed: see the module docstring
+        )
+        final, request_id = None, f"molt-{next(self._ids)}"
+        prompt = {"type": "token", "prompt_token_ids": prompt_ids}  # rendered input: no tokenizer pass, no thread hop
+        served = self.adapters.acquire() if self.adapters is not None else None  # its adapter, for its whole life
+        try:
+            async for final in self.llm.generate(prompt, params, request_id=request_id,
+                                                 lora_request=served.request if served else None):
+                pass
+        finally:
+            if served is not None:
+                await self.adapters.release(served)
+        out = final.outputs[0]
+        ids = list(out.token_ids)
+        logprobs = [float(pos[t].logprob) for pos, t in zip(out.logprobs, ids)]
+        if served is not None:  # one adapter for the whole request: its version on every token
+            versions = [served.version] * len(ids)
+        else:  # full weights: vLLM's weight-version spans say where an in-flight update landed
+            versions = [-1] * len(ids)
+            for span in out.weight_versions or []:
+                versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
+        if -1 in versions:
+            raise RuntimeError("vLLM returned tokens without a weight version: was update_weight_version called?")
+        reason = {"stop": "stop", "length": "length"}.get(out.finish_reason, "abort")
+        routing = None
+        if self.captures_routing:  # the prompt's positions and the tokens' but the last (never forwarded)
+            routing = await self._routing(request_id, len(prompt_ids) + len(ids) - 1)
+        return Generation(ids, logprobs, versions, reason, routing)
+
+    async def _routing(self, request_id: str, n: int) -> torch.Tensor:
+        """The request's first ``n`` positions' routing, (n, layers, k); requests finishing together share one call
+        to the worker (one call per request made the tiny MoE's step several times slower)."""
+        done = asyncio.get_running_loop().create_future()
+        self._wanted.append((request_id, n, done))
+        if self._taker is None or self._taker.done():
+            self._taker = asyncio.create_task(self._take_routing())
+        return await done
+
+    async def _take_routing(self) -> None:
+        from ...policies import moe
+
+        while self._wanted:
+            wanted, self._wanted = self._wanted, []
+            try:
+                tables = (await self.llm.collective_rpc("molt_take_routing", args=(
+                    [r for r, _, _ in wanted], [n for _, n, _ in wanted])))[0]
+            except Exception as e:  # noqa: BLE001 (every waiting request gets it)
+                for _, _, done in wanted:
+                    done.set_exception(e)
+                continue
+            for (request_id, n, done), rows in zip(wanted, tables):
+                routing = torch.tensor(rows, dtype=moe.ROUTING_DTYPE)  # (n, layers, k)
+                if len(rows) != n or (routing[:, 0, 0] == moe.NO_RECORD).any():
+                    done.set_exception(RuntimeError(f"vLLM's routing capture missed positions of request "
+                                                    f"{request_id} (prefix caching on? see engines/vllm_worker.py)"))
+                else:
+                    done.set_result(routing)
+
+    async def stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
+        if self.adapters is not None:  # adapter tensors are small: written as one peft folder when tagged
+            self._staged_adapter.update(bucket)
+            return
+        await self.ahead.begin(tuple(bucket), self._staged)
+        slab = await asyncio.to_thread(self.staging.write, bucket)  # the bucket's memory can go
+        self._staged.append(slab)
+        if self.ahead.wants(bucket) and self.llm is not None:
+            self.ahead.send(self.llm.collective_rpc("molt_prepare_slab", args=(slab.to_wire(), self.ahead.token)))
+
+    async def ready(self) -> None:
+        await self.ahead.settle()
+
+    async def load(self) -> None:
+        if self.adapters is not None:
+            return  # an adapter is loaded under its version, by tag
+        await self.ahead.settle()
+        slabs, self._staged = self._staged, []
+        self.ahead.loaded(await self.llm.collective_rpc("molt_load_slabs", args=(
+            [s.to_wire() for s in slabs], self.staging.paths, self.ahead.token)))
+        self.staging.forget()  # the worker has them mapped: no name left in /dev/shm, even after a SIGKILL
+
+    async def tag(self, version: int) -> None:
+        if self.adapters is not None:
+            tensors, self._staged_adapter = self._staged_adapter, {}
+            await self.adapters.commit(tensors, version)
+            return
+        await self.llm.reset_prefix_cache(reset_running_requests=True)
+        await self.llm.update_weight_version(str(version))
+
+    async def fingerprints(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Print | None]:
+        """Read in the worker, from the weights it computes with (``vllm_worker._Served``: fused layers by block,
+        repacked ones through their kernels); a LoRA policy: the adapter new requests get (``adapters.current``),
+        as vLLM holds it under its id."""
+        lora_id = None
+        if self.adapters is not None:
+            if self.adapters.current is None:
+                return dict.fromkeys(shapes)
+            lora_id = self.adapters.current.request.lora_int_id
+        wire = (await self.llm.collective_rpc("molt_fingerprints", args=({k: list(v) for k, v in shapes.items()},
+                                                                          lora_id)))[0]
+        prints = {name: Print.from_wire(w) for name, w in wire.items()}
+        if lora_id is not None:
+            prints = self.adapters.with_scale(prints)
+        return prints
+
+    async def weight_checksums(self) -> dict[str, float]:
+        """Sum of every parameter inside the engine, by vLLM's parameter names (for tests)."""
+        return (await self.llm.collective_rpc("molt_weight_checksums"))[0]
+
+
+# ----- errors (see the module docstring) -----
+
+_ENGINE_FAILED = """vLLM's engine core process failed to start ({error}).
+Its own traceback, printed above, names the cause. The common ones, and their fixes:
+  - the main script runs the training at its top level, without `if __name__ == "__main__":` (vLLM's engine
+    process re-imports the script; above: "bootstrapping phase"): put the run under that guard;
+  - not enough free memory for the model plus the KV cache (on the CPU VLLM_CPU_KVCACHE_SPACE={kv} GiB: that
+    variable, else VLLMEngine(kv_cache_gib=...); on a GPU engine_kwargs={{"gpu_memory_utilization": ...}}): lower it;
+  - a model folder vLLM cannot load (architecture, dtype, a max_model_len above the model's): see the cause above;
+  - cpu_threads names cores this machine does not have (VLLM_CPU_OMP_THREADS_BIND): pick cores that `nproc` counts."""

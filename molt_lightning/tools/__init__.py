@@ -1,5 +1,0 @@
-"""Tools that agents call: a sandboxed Python interpreter."""
-
-from molt_lightning.tools.sandbox import PythonSandbox, SandboxResult, python_tool_schema
-
-__all__ = ["PythonSandbox", "SandboxResult", "python_tool_schema"]

@@ -1,0 +1,205 @@
+"""How one rollout batch is cut for training: ranks, mini-batches (one optimizer step each), micro-batches.
+
+``plan(batch, world, rank, mini_batches, micro_batch_tokens)`` is a pure function of the batch, so every rank computes
+the same plan for all ranks without talking to the others:
+- **ranks** get whole groups (no prompt is trained by two ranks within a step), balanced by token count;
+- each rank's rows are split into ``mini_batches`` contiguous parts, part j of every rank forming mini-batch j;
+- each part is packed into micro-batches of at most ``micro_batch_tokens`` padded tokens (rows x their longest
+  length; rows sorted by length so padding stays small); every rank runs the same number of micro-batches per
+  mini-batch (the collectives of DDP and FSDP2 must line up), a rank with fewer runs empty ones (``rows`` empty);
+- ``Norm`` holds the mini-batch-wide counts (over all ranks and micro-batches) that every aggregation divides by, so
+  the accumulated gradient equals the gradient of the whole mini-batch at once, in every aggregation mode;
+- ``StepMetrics`` puts the parts' metrics back together into one value per step;
+- ``constants`` computes, in one no-grad pass over this rank's micro-batches, the per-token values an update needs
+  before its first optimizer step (PPO's old logprobs, the reference's logprobs, the value head's predictions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import parallel
+from ..algorithms.objective import ADDITIVE_METRICS, Norm
+from ..trajectory import Batch
+
+
+@dataclass
+class MiniBatch:
+    micro: list[list[int]]  # this rank's rows per micro-batch (batch row indices); the same count on every rank
+    norm: Norm
+
+
+def rank_rows(batch: Batch, world: int) -> list[list[int]]:
+    """Batch rows per rank: whole groups, each to the rank with the fewest tokens so far (largest groups first)."""
+    lengths = batch.attention_mask.sum(-1).tolist()
+    groups: dict[int, list[int]] = {}
+    for row, g in enumerate(batch.group_ids.tolist()):
+        groups.setdefault(g, []).append(row)
+    if len(groups) < world:
+        raise ValueError(f"a batch of {len(groups)} groups cannot give each of {world} ranks a whole group: "
+                         f"raise prompts_per_step to at least {world} (or use fewer devices)")
+    load, out = [0] * world, [[] for _ in range(world)]
+    for rows in sorted(groups.values(), key=lambda rows: -sum(lengths[r] for r in rows)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        out[r] += rows
+        load[r] += sum(lengths[i] for i in rows)
+    return [sorted(rows) for rows in out]
+
+
+def pack(rows: list[int], lengths: list[int], budget: int | None) -> list[list[int]]:
+    """Rows into micro-batches of at most ``budget`` padded tokens (all in one without a budget)."""
+    if not budget:
+        return [rows]
+    too_long = [lengths[r] for r in rows if lengths[r] > budget]
+    if too_long:
+        raise ValueError(f"micro_batch_tokens={budget} is smaller than one sequence ({max(too_long)} tokens): raise "
+                         f"it to at least {max(too_long)} (or shorten the agent's context)")
+    micro, cur = [], []
+    for r in sorted(rows, key=lambda r: -lengths[r]):
+        if cur and (len(cur) + 1) * lengths[cur[0]] > budget:
+            micro.append(cur)
+            cur = []
+        cur.append(r)
+    return micro + [cur] if cur else micro
+
+
+def plan(batch: Batch, world: int, rank: int, mini_batches: int = 1,
+         micro_batch_tokens: int | None = None) -> list[MiniBatch]:
+    """This rank's mini-batches, each a list of micro-batches (row indices) and the mini-batch-wide ``Norm``."""
+    lengths = batch.attention_mask.sum(-1).tolist()
+    mask = batch.loss_mask
+    per_rank = rank_rows(batch, world)
+    if min(len(rows) for rows in per_rank) < mini_batches:
+        raise ValueError(f"mini_batches={mini_batches} needs at least that many rows on every rank, but a rank holds "
+                         f"{min(len(r) for r in per_rank)}: lower mini_batches or raise prompts_per_step/group_size")
+    parts = [[rows[i * len(rows) // mini_batches:(i + 1) * len(rows) // mini_batches] for i in range(mini_batches)]
+             for rows in per_rank]  # parts[rank][j]
+    out = []
+    for j in range(mini_batches):
+        packed = [pack(parts[r][j], lengths, micro_batch_tokens) for r in range(world)]
+        n_micro = max(len(p) for p in packed)
+        rows_j = [row for r in range(world) for row in parts[r][j]]
+        out.append(MiniBatch(packed[rank] + [[]] * (n_micro - len(packed[rank])), Norm.of(mask[rows_j])))
+    return out
+
+
+def padding_frac(batch: Batch, minis: list[MiniBatch]) -> float:
+    """The share of pad tokens in this rank's micro-batches (what sequence packing could save)."""
+    lengths = batch.attention_mask.sum(-1).tolist()
+    micro = [rows for mb in minis for rows in mb.micro if rows]
+    padded = sum(len(rows) * max(lengths[r] for r in rows) for rows in micro)
+    return 1.0 - sum(lengths[r] for rows in micro for r in rows) / max(padded, 1)
+
+
+def rows_of(batch: Batch, rows: list[int]) -> Batch:
+    """The sub-batch of ``rows``, cut to its longest row (less padding), with those rows' images (a VLM's); the
+    trajectories stay the batch's."""
+    idx = torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)
+    width = int(batch.attention_mask[idx].sum(-1).max())
+    cut = {k: v[idx][:, :width] if v.dim() >= 2 else v[idx]  # per-token fields: (N, T, ...)
+           for k, v in vars(batch).items() if isinstance(v, torch.Tensor)}
+    images = None if batch.images is None else batch.images.select(rows)  # the rows' images, in their order
+    return Batch(**{**vars(batch), **cut, "images": images})
+
+
+def any_row(mb: MiniBatch) -> list[int]:
+    """A row of ``mb`` on this rank: an empty micro-batch runs it with weight 0 (the ranks' collectives line up)."""
+    return [next(r for rows in mb.micro for r in rows)]
+
+
+@dataclass
+class Constants:
+    """Per-token constants of one update, (N, T-1) on this rank's rows, or None when not needed."""
+
+    old: torch.Tensor | None = None  # the policy before the batch's first update: PPO's old logprobs
+    ref: torch.Tensor | None = None  # the frozen reference's logprobs
+    values: torch.Tensor | None = None  # the value head's predictions, every rank's rows
+    teacher: torch.Tensor | None = None  # the distillation teacher's logprobs
+
+    def rows(self, idx: torch.Tensor, cut: int) -> Constants:
+        """The constants of rows ``idx``, cut to ``cut`` positions."""
+        return Constants(*(None if t is None else t[idx, :cut] for t in (self.old, self.ref, self.values,
+                                                                           self.teacher)))
+
+
+@torch.no_grad()
+def constants(policy, reference, batch: Batch, minis: list[MiniBatch], temperature: float, optimizer_steps: int,
+              trainer, teacher=None) -> Constants:
+    """PPO's old logprobs (when the batch makes more than one optimizer step), the reference's logprobs (KL), the
+    teacher's (distillation), the value head's predictions (critic; gathered from every rank, since advantages see
+    the whole batch), each (N, T-1), filled on this rank's rows; nothing when none is needed."""
+    if optimizer_steps == 1 and reference is None and policy.value_head is None and teacher is None:
+        return Constants()
+    shape, device = batch.loss_mask[:, 1:].shape, batch.input_ids.device  # (N, T-1)
+
+    def zeros(needed: bool):
+        return torch.zeros(shape, device=device) if needed else None
+
+    consts = Constants(old=zeros(optimizer_steps > 1), ref=zeros(reference is not None),
+                       values=zeros(policy.value_head is not None), teacher=zeros(teacher is not None))
+    frozen = [(consts.ref, reference), (consts.teacher, teacher)]
+    mine = []
+    for mb in minis:
+        for rows in mb.micro:
+            sub = rows_of(batch, rows or any_row(mb))
+            args = (sub.input_ids, sub.attention_mask, sub.loss_mask, temperature)
+            out = (policy.outputs(*args, routing=sub.routing, images=sub.images)
+                   if consts.old is not None or consts.values is not None else None)
+            scored = [(into, model.outputs(*args, images=sub.images).logprobs) for into, model in frozen
+                      if model is not None]
+            if rows:
+                idx, cut = torch.tensor(rows, device=device), sub.input_ids.shape[1] - 1
+                if consts.old is not None:
+                    consts.old[idx, :cut] = out.logprobs
+                for into, logprobs in scored:
+                    into[idx, :cut] = logprobs
+                if consts.values is not None:
+                    consts.values[idx, :cut] = out.values
+                    mine += rows
+    if consts.values is not None:  # advantages need every rank's values
+        for rows, values in parallel.all_gather((mine, consts.values[mine].cpu()), trainer):
+            consts.values[rows] = values.to(device)
+    return consts
+
+
+class StepMetrics:
+    """Combines the metrics of a step's micro-batches and ranks: the loss terms add up over a mini-batch (they are
+    normalized by its counts) and are averaged over optimizer steps; ``*_min``/``*_max`` by min/max; the rest are
+    token-weighted means."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.weighted: dict[str, float] = {}
+        self.extreme: dict[str, float] = {}
+        self.tokens, self.steps, self.grad_norm = 0.0, 0, 0.0
+
+    def add(self, metrics: dict[str, torch.Tensor], tokens: float) -> None:
+        self.tokens += tokens
+        for k, v in metrics.items():
+            v = float(v)
+            if k in ADDITIVE_METRICS:
+                self.sums[k] = self.sums.get(k, 0.0) + v
+            elif k.endswith("_min") or k.endswith("_max"):
+                pick = min if k.endswith("_min") else max
+                self.extreme[k] = pick(self.extreme.get(k, v), v)
+            else:
+                self.weighted[k] = self.weighted.get(k, 0.0) + v * tokens
+
+    def step(self, grad_norm: torch.Tensor) -> None:
+        self.steps += 1
+        full = getattr(grad_norm, "full_tensor", None)  # a DTensor under FSDP2
+        self.grad_norm += float(full() if full else grad_norm)
+
+    def reduce(self, trainer) -> dict[str, float]:
+        t = torch.tensor([self.sums[k] for k in sorted(self.sums)] + [self.weighted[k] for k in sorted(self.weighted)]
+                         + [self.tokens], dtype=torch.float64)
+        t = parallel.all_reduce(t, trainer).tolist()
+        out = {k: v / self.steps for k, v in zip(sorted(self.sums), t)}
+        out.update({k: v / max(t[-1], 1.0) for k, v in zip(sorted(self.weighted), t[len(self.sums):])})
+        for k in sorted(self.extreme):
+            op = torch.distributed.ReduceOp.MIN if k.endswith("_min") else torch.distributed.ReduceOp.MAX
+            out[k] = float(parallel.all_reduce(torch.tensor([self.extreme[k]]), trainer, op))
+        out["grad_norm"] = self.grad_norm / max(self.steps, 1)
+        return out
