@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from molt_lightning import lora
+from molt_lightning.policies import lora
 from molt_lightning.trainer.policy import policy_folder
 from molt_lightning.trainer.weights import buckets
 

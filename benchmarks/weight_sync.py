@@ -64,25 +64,10 @@ def make_engine(name: str):
 
     from molt_lightning.engines import TorchEngine, VLLMEngine
 
-    class ReloadEngine(VLLMEngine):
-        """The previous path: one safetensors file per bucket, vLLM's ``reload_weights``."""
-
-        async def stage(self, bucket):
-            fd, path = tempfile.mkstemp(suffix=".safetensors", dir=self.weight_dir)
-            os.close(fd)
-            await asyncio.to_thread(save_file, {k: v.detach().contiguous() for k, v in bucket.items()}, path)
-            self._staged.append(path)
-
-        async def load(self):
-            paths, self._staged = self._staged, []
-            await self.llm.collective_rpc("molt_load_weights", args=(paths,))
-            for path in paths:
-                os.unlink(path)
-
     if name == "torch":
         return TorchEngine()
     if name == "vllm-reload":
-        return ReloadEngine(seed=0, cpu_threads="1")
+        return VLLMEngine(seed=0, cpu_threads="1", direct_load=False)  # vLLM's reload_weights: the GPU's path
     return VLLMEngine(seed=0, cpu_threads="1", load_ahead=name == "vllm")
 
 

@@ -76,6 +76,12 @@ class MoE:
     routing: Literal["free", "replay"] = "free"  # replay: train through the experts the engine chose (R3)
     aux_coef: float = 0.0  # weight of the router load-balancing loss (transformers' load_balancing_loss_func)
 
+    def check(self, engine) -> None:
+        if self.routing == "replay" and not engine.captures_routing:
+            raise ValueError(f"model.moe.routing=replay needs an engine that records the experts it routed each token "
+                             f"to; {type(engine).__name__} does not: use molt_lightning.engines.TorchEngine or "
+                             f"VLLMEngine(capture_routing=True), or model.moe.routing: free")
+
 
 def check_host(host: str, token: str | None) -> None:
     """The agents' endpoint stays on loopback unless a token guards it."""
@@ -90,6 +96,11 @@ def check_host(host: str, token: str | None) -> None:
         raise ValueError(f"binding the endpoint to {host} exposes the policy beyond this machine's loopback: set "
                          "model.rollout.endpoint_token to a secret too (every session key then carries it), or "
                          "keep endpoint_host at 127.0.0.1")
+
+
+def record(cls, value):
+    """``value`` as a ``cls`` record: a dict (from saved hyperparameters, hparams.yaml) is made into one."""
+    return cls(**value) if isinstance(value, dict) else value
 
 
 def _at_least(record, group: str, **least) -> None:

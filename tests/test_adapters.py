@@ -149,7 +149,7 @@ def test_verifiers_config_choices(caplog):
     from verifiers.v1.configs.agent import agent_config_fields
     from verifiers.v1.runtimes import SubprocessConfig
 
-    with caplog.at_level(logging.WARNING, logger="molt_lightning.agents.adapters.verifiers"):
+    with caplog.at_level(logging.WARNING, logger="molt_lightning.agents.adapters"):
         config = load_env_config(SINGLE, {"num_tasks": 5}, {"agent": {"max_turns": 2, "sampling": {
             "temperature": 0.7, "top_p": 0.9, "max_tokens": 32}}})
     [(role, spec)] = agent_config_fields(config).items()

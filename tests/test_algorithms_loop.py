@@ -12,7 +12,7 @@ from test_loop import Batches
 from test_loop import fit as fit_loop
 from test_loop import make as make_loop
 
-from molt_lightning import rollout
+from molt_lightning.rollout import source as rollout
 from molt_lightning.algorithms import GROUP_FILTERS, Algorithm
 from molt_lightning.engines import TorchEngine
 from molt_lightning.trainer.policy import logprobs_and_entropy

@@ -380,7 +380,7 @@ def test_unknown_fields_are_refused_by_name(served, case):
 
 
 def _known(path):
-    from molt_lightning import anthropic_messages, openai_chat
+    from molt_lightning.agents.wire import anthropic_messages, openai_chat
 
     return set(openai_chat._FIELDS if path == CHAT else anthropic_messages._FIELDS)
 

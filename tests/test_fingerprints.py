@@ -159,7 +159,7 @@ def test_a_lora_adapter_never_loaded_stops_with_the_adapter_tensor(policy_path, 
     from peft import get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    from molt_lightning import lora
+    from molt_lightning.policies import lora
 
     lm = lora.apply(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32), lora.LoraSpec(r=4))
     adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(lm).items()}
@@ -253,7 +253,7 @@ def test_vllm_kernels_packed_ahead_change_nothing_served_until_the_commit_swaps_
         push(vllm_engine, old, 11).settle()
         for bucket in buckets(Weights(new), 200_000):
             vllm_engine.call(vllm_engine.stage_weights(bucket))
-        vllm_engine.call(vllm_engine.ready())  # every bucket's kernels packed, none served
+        vllm_engine.call(vllm_engine.ahead.settle())  # every bucket's kernels packed, none served
         served = vllm_engine.call(vllm_engine.fingerprints(shapes))
         assert {k: p.checksum for k, p in served.items()} == prints(old)
         vllm_engine.call(vllm_engine.commit_weights(12))
@@ -325,7 +325,7 @@ def vllm_lora(policy_path):
     from peft import get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    from molt_lightning import lora
+    from molt_lightning.policies import lora
     from molt_lightning.engines import VLLMEngine
 
     lm = lora.apply(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32), lora.LoraSpec(r=8))

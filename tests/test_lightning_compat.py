@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric
 
-from molt_lightning import lightning_compat
+from molt_lightning.trainer import lightning_compat
 
 
 class _Logs(L.LightningModule):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from molt_lightning import lora
+from molt_lightning.policies import lora
 from molt_lightning.engines import Sampling, TorchEngine
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
@@ -304,7 +304,7 @@ def test_fsdp2_with_lora_is_refused_by_the_cli_before_anything_starts(tmp_path, 
 def test_fsdp2_with_lora_is_refused(peft_lm):
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from molt_lightning import parallel
+    from molt_lightning.trainer import parallel
     from molt_lightning.trainer.policy import Policy
 
     with pytest.raises(ValueError, match="use --trainer.strategy ddp"):

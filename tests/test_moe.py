@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from molt_lightning import moe
+from molt_lightning.policies import moe
 from molt_lightning.engines import TorchEngine
 from molt_lightning.engines.base import Sampling
 from molt_lightning.trainer.policy import Policy

@@ -15,6 +15,7 @@ from molt_lightning.algorithms.advantages import AdvantageInputs, distill, turn_
 from molt_lightning.algorithms.losses import binary_kl
 from molt_lightning.trajectory import ConsistencyError, Kind, Outcomes, Span, Status, Trajectory, collate
 
+TINY = "molt_lightning.models.tiny.arithmetic_policy"
 FLASH = Algorithm(advantage="flash_reinforce", loss="flash_reinforce", aggregation="seq_mean_token_mean",
                   is_form="bypass", is_mode="none", binary_kl_delta=3e-3)
 
@@ -253,14 +254,14 @@ def test_distillation_needs_a_teacher_and_a_coefficient():
     from molt_lightning.tasks import arithmetic
 
     with pytest.raises(ValueError, match="model.teacher"):
-        AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, algo=Algorithm(distill_coef=1.0))
+        AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, TINY, algo=Algorithm(distill_coef=1.0))
     with pytest.raises(ValueError, match="distill_coef"):
-        AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, teacher="molt_lightning.models.tiny.arithmetic_policy")
+        AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, TINY, teacher=TINY)
 
 
 def test_per_turn_lists_of_the_wrong_shape_fail_the_run_with_the_reason():
     from molt_lightning.agents.client import AgentResult
-    from molt_lightning.rollout import _check_turns
+    from molt_lightning.rollout.source import _check_turns
 
     assert _check_turns(AgentResult(1.0, turn_rewards=[0.0, 1.0], turn_keys=["a", ("b", 1)]), 2) is None
     assert "turn_rewards has 1 entries for 2 turns" in _check_turns(AgentResult(1.0, turn_rewards=[1.0]), 2)

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from molt_lightning import prefix
+from molt_lightning.trainer import prefix
 from molt_lightning.trainer.policy import Policy
 
 

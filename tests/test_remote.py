@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from molt_lightning.commands.serve import Guard
+from molt_lightning.engines.vllm.server import Guard
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
@@ -52,7 +52,7 @@ def test_molt_serve_is_a_subcommand(capsys):
 
 
 def test_a_server_whose_start_hangs_is_stopped_with_its_stacks_in_the_error(tmp_path, monkeypatch):
-    from molt_lightning.engines import server
+    from molt_lightning.engines.vllm import server
 
     started = tmp_path / "started"
     hang = (f"import pathlib, resource, time\nresource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file\n"

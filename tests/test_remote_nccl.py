@@ -15,7 +15,7 @@ import pytest
 import torch
 from starlette.responses import JSONResponse
 
-from molt_lightning.engines import nccl_channel
+from molt_lightning.engines.vllm import nccl as nccl_channel
 from molt_lightning.engines.vllm.nccl import NcclChannel
 from molt_lightning.engines.pool import EnginePool
 from molt_lightning.engines.vllm.remote import RemoteVLLMEngine
@@ -166,7 +166,7 @@ def test_a_failed_broadcast_fails_the_commit_resumes_the_server_and_drops_the_gr
 
 def test_molt_serve_nccl_enables_vllms_nccl_weight_transfer_engine(monkeypatch, tmp_path):
     import molt_lightning.trainer.policy
-    from molt_lightning import serve
+    from molt_lightning.commands import serve
 
     seen = {}
     monkeypatch.setattr(molt_lightning.trainer.policy, "policy_folder", lambda p: p)

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from molt_lightning.engines import shm
+from molt_lightning.engines.vllm import shm
 from molt_lightning.engines.vllm.cpu import _block, apply
 
 
@@ -151,7 +151,7 @@ def _served(packs: list) -> torch.nn.Module:
 
 def test_kernels_packed_ahead_leave_the_served_layers_alone_until_the_commit_swaps_them_in():
     pytest.importorskip("vllm")  # the plan asks vLLM's platform
-    from molt_lightning.engines.vllm.cpu import Ahead, plan
+    from molt_lightning.engines.vllm.cpu import Prepacked, plan
 
     packs = []
     model = _served(packs)
@@ -159,7 +159,7 @@ def test_kernels_packed_ahead_leave_the_served_layers_alone_until_the_commit_swa
     g = torch.Generator().manual_seed(0)
     new = {n: torch.randn(r, 3, generator=g) for n, r in (("embed.weight", 5), ("a.q_proj.weight", 4),
                                                           ("a.k_proj.weight", 2), ("a.v_proj.weight", 2))}
-    ahead = Ahead(model, "sync-1")
+    ahead = Prepacked(model, "sync-1")
     ahead.add("slab-0", {k: new[k] for k in ("embed.weight", "a.q_proj.weight")})  # q/k/v not all here yet
     assert packs == ["embed"] and set(ahead.ready) == {id(model.embed), id(model.head)}  # packed once, shared
     ahead.add("slab-1", {k: new[k] for k in ("a.k_proj.weight", "a.v_proj.weight")})

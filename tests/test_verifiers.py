@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from molt_lightning.data import verifiers
+from molt_lightning.data import graders as verifiers
 from molt_lightning.data.graders import VerifierFailed, extract, verify
 
 

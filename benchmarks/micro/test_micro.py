@@ -176,7 +176,7 @@ def test_logprobs(benchmark, lm, trajectories, tokenizer, route):
 def test_write_weight_files(benchmark, lm):
     """Staging a sync's buckets into their shared-memory slabs (``engines.shm``), as ``VLLMEngine.stage`` does: the
     slabs are written again in place every sync (before: a new safetensors file per bucket)."""
-    from molt_lightning.engines import shm
+    from molt_lightning.engines.vllm import shm
     from molt_lightning.trainer.weights import buckets as sync_buckets
 
     staging = shm.Staging("/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -199,7 +199,7 @@ def test_log_one_step(benchmark, route):
     logs), with Lightning's own ``_ResultMetric.to`` and with ``lightning_compat``'s short-cut."""
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 
-    from molt_lightning import lightning_compat
+    from molt_lightning.trainer import lightning_compat
 
     values = {f"m/{i}": torch.tensor(float(i)) for i in range(50)}
     results = _ResultCollection(training=True)

@@ -50,7 +50,7 @@ from ..rollout import heldout as evaluation
 from ..trainer import parallel
 from ..data.sources import prompt_key
 
-log = logging.getLogger("molt_lightning.evaluate")
+log = logging.getLogger(__name__)
 
 
 class Evaluate(L.Callback):
@@ -190,7 +190,7 @@ class Evaluate(L.Callback):
                 await asyncio.wrap_future(pending)
             t0 = time.perf_counter()
             outcomes = await evaluation.run_round(
-                self.samples, self.agent or pl_module.source.agent, pl_module.clients, k=self.k,
+                self.samples, self.agent or pl_module.source.agent, pl_module.sessions, k=self.k,
                 temperature=temperature, success=self.success, seed=self.seed, concurrency=self.concurrency,
                 timeout_s=rollout.agent_timeout_s)
             return outcomes, time.perf_counter() - t0

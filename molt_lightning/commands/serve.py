@@ -5,7 +5,9 @@
 ``python -m vllm.entrypoints.openai.api_server`` with what the remote engine relies on: the project's worker
 extension (weight loads through ``/collective_rpc``), processed logprobs, the token-in/token-out route
 (``--enable-scale-out``), the RL and dev routes (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/resume``,
-``/update_weight_version``, ``/reset_prefix_cache``, ``/collective_rpc``), and ``Guard``.
+``/update_weight_version``, ``/reset_prefix_cache``, ``/collective_rpc``), ``Guard``, and the dtype and eager mode
+vLLM's platform needs (float32 and ``--enforce-eager`` on the CPU; vLLM's own choice elsewhere; a ``--dtype`` or
+``--enforce-eager`` after ``--`` wins).
 
 ``--nccl`` (GPU servers) also enables vLLM's NCCL weight-transfer engine (``--weight-transfer-config
 {"backend": "nccl"}``), for ``RemoteVLLMEngine(channel="nccl")``: the trainer joins the server's workers in an NCCL
@@ -25,47 +27,10 @@ given no URL); the command line and environment it runs with are written there, 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
-import secrets
 import sys
 
-from ..engines.vllm.server import TOKEN_ENV, server_command, server_env
-
-PUBLIC = ("/health", "/ping", "/load", "/version", "/is_paused", "/weight_info", "/metrics")  # read-only probes
-SERVING = ("/v1", "/v2", "/inference", "/cohere")  # vLLM's --api-key guards these
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
-
-
-class Guard:
-    """Refuse vLLM's control routes (everything but ``PUBLIC`` probes and the ``SERVING`` routes) from non-loopback
-    clients, or, with a token configured, from any request that does not carry it."""
-
-    def __init__(self, app, token: str | None = None):
-        self.app = app
-        token = token if token is not None else os.environ.get(TOKEN_ENV)
-        self.digest = hashlib.sha256(token.encode()).digest() if token else None
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and not self.allowed(scope):
-            from starlette.responses import JSONResponse
-
-            why = ("this control route needs the server's token (Authorization: Bearer ...)" if self.digest else
-                   "control routes answer loopback only; start the server with --api-key to use them remotely")
-            return await JSONResponse({"error": why}, status_code=403)(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-    def allowed(self, scope) -> bool:
-        path = scope["path"].removeprefix(scope.get("root_path", ""))
-        if path.startswith(PUBLIC) or path.startswith(SERVING) or scope.get("method") == "OPTIONS":
-            return True
-        if self.digest is None:
-            return (scope.get("client") or ("?",))[0] in LOOPBACK
-        auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-        scheme, _, given = auth.partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(hashlib.sha256(given.encode()).digest(),
-                                                                     self.digest)
-
+from ..engines.vllm.server import LOOPBACK, TOKEN_ENV, server_command, server_env
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)

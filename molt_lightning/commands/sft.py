@@ -39,10 +39,10 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ..trainer import lightning_compat, parallel
 from ..policies import load_lm
-from ..trainer.policy import Policy, check_vocab, policy_folder
+from ..trainer.policy import Policy, policy_folder, trainable_lm
 
 lightning_compat.patch()
-log = logging.getLogger("molt_lightning.commands.sft")
+log = logging.getLogger(__name__)
 STRATEGIES = "auto (one process), ddp or fsdp2"
 
 
@@ -259,7 +259,7 @@ class SFTData(L.LightningDataModule):
 
 # ----- the module -----
 class SFTModule(L.LightningModule):
-    def __init__(self, policy: str = "molt_lightning.models.tiny.base_policy", out: str | None = None,
+    def __init__(self, policy: str, out: str | None = None,
                  lr: float = 1e-4, weight_decay: float = 0.0, warmup: float = 0.1, dtype: str = "float32",
                  logit_chunk_tokens: int = 512, activation_checkpointing: bool = False,
                  torch_threads: int | None = None):
@@ -289,17 +289,11 @@ class SFTModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.policy is not None:
             return
-        from transformers import AutoTokenizer
-
         h = self.hparams
         if h.torch_threads:
             torch.set_num_threads(h.torch_threads)
         self.policy_path = policy_folder(h.policy)
-        lm = load_lm(self.policy_path, getattr(torch, h.dtype))
-        check_vocab(lm.config, AutoTokenizer.from_pretrained(self.policy_path))
-        if h.activation_checkpointing:
-            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        lm.train()
+        lm, _ = trainable_lm(self.policy_path, getattr(torch, h.dtype), h.activation_checkpointing)
         self.policy = Policy(lm, chunk_tokens=h.logit_chunk_tokens, share_prefix=False)
         parallel.shard(self.policy, self.trainer.strategy)
 

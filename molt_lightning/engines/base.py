@@ -45,10 +45,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..policies.lora import Adapter
 from ..policies.vision import ImageInputs
 from .fingerprint import Print, Sample, verify
 
-log = logging.getLogger("molt_lightning.engines")
+log = logging.getLogger(__name__)
 
 
 class EngineUnavailable(RuntimeError):
@@ -75,24 +76,6 @@ class Sampling:
     ignore_eos: bool = False  # keep sampling past end-of-sequence (benchmarks, tests)
     seed: int | None = None  # this request's own random stream (None: the engine's shared one)
     route_key: str | None = None  # its trajectory: a pool sends all of one trajectory's turns to one engine
-
-
-@dataclass(frozen=True)
-class Adapter:
-    """The LoRA adapter an engine serves on top of its base model: peft's adapter config, as ``adapter_config.json``
-    holds it (``LoraConfig.to_dict()`` with the target modules resolved to names). Its tensors come in the syncs."""
-
-    config: dict
-
-    @property
-    def rank(self) -> int:
-        return int(self.config["r"])
-
-    def peft_config(self):
-        from peft import LoraConfig
-
-        fields = {k: v for k, v in self.config.items() if k in LoraConfig.__dataclass_fields__ and k != "peft_type"}
-        return LoraConfig(**fields)
 
 
 class RolloutEngine(ABC):
@@ -183,9 +166,6 @@ class RolloutEngine(ABC):
         """Keep (a copy of) one bucket for the next load (HF-named full tensors, or with ``self.adapter`` the adapter's
         peft-named tensors); serving is unchanged."""
         raise NotImplementedError
-
-    async def ready(self) -> None:
-        """(Serving.) Finish the staged update's work that needs no pause (``VLLMEngine``: its kernels, packed)."""
 
     async def load(self) -> None:
         """(Paused.) Swap in every staged tensor."""
@@ -293,9 +273,9 @@ class RolloutEngine(ABC):
 
 async def update(engines: list[RolloutEngine], version: int, rejoin: bool = False,
                  expected: Mapping[str, Sample] | None = None) -> list[RolloutEngine]:
-    """The weight-update sequence, for one engine or every engine of a pool at once: each engine that serves
-    finishes what needs no pause (``ready``), is paused, loads its staged buckets and is tagged with ``version``;
-    only then do they all resume, so no engine samples a token of ``version`` while another still loads it, and each
+    """The weight-update sequence, stage -> pause -> load -> tag -> check -> resume, for one engine or every engine of
+    a pool at once: each engine that serves is paused, loads its staged buckets and is tagged with ``version``; only
+    then do they all resume, so no engine samples a token of ``version`` while another still loads it, and each
     engine's per-token versions stay its own exact ones. With ``expected`` (what was sent), each engine's
     fingerprints are checked before the resume (``WeightMismatch``). An engine that is down, or goes down on the way
     (``EngineUnavailable``), is marked down and keeps the update for when it is back (``defer``). ``rejoin``: the
@@ -333,8 +313,7 @@ async def update(engines: list[RolloutEngine], version: int, rejoin: bool = Fals
             engine.weights_lock = engine.weights_lock or asyncio.Lock()
             await locks.enter_async_context(engine.weights_lock)
             engine.verified, engine.expected = False, expected
-        live = await each([e for e in engines if rejoin or e.healthy], lambda e: e.ready())
-        live = await each(live, lambda e: e.pause())
+        live = await each([e for e in engines if rejoin or e.healthy], lambda e: e.pause())
         try:
             live = await each(await each(live, lambda e: e.load()), lambda e: e.tag(version))
             if expected is not None:

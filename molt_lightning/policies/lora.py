@@ -24,7 +24,24 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engines.base import Adapter
+
+@dataclass(frozen=True)
+class Adapter:
+    """The LoRA adapter an engine serves on top of its base model: peft's adapter config, as ``adapter_config.json``
+    holds it (``LoraConfig.to_dict()`` with the target modules resolved to names). Its tensors come in the syncs."""
+
+    config: dict
+
+    @property
+    def rank(self) -> int:
+        return int(self.config["r"])
+
+    def peft_config(self):
+        from peft import LoraConfig
+
+        fields = {k: v for k, v in self.config.items() if k in LoraConfig.__dataclass_fields__ and k != "peft_type"}
+        return LoraConfig(**fields)
+
 
 MAX_RANK = 512  # vLLM's largest max_lora_rank (0.32)
 

@@ -54,7 +54,7 @@ from ..agents.sessions import AgentSessions
 from ..config import Rollout
 from ..trajectory import Status, Trajectory
 
-log = logging.getLogger("molt_lightning.rollout")
+log = logging.getLogger(__name__)
 Group = list[Trajectory]
 FILTER_PATIENCE = 20  # batches' worth of consecutively rejected groups before dynamic sampling gives up
 LOGGED_PER_KIND = 5  # failures of one kind logged in full; after that only at every power of ten
@@ -95,7 +95,7 @@ class RolloutSource:
         self.counts = RolloutCounts()
         self.failure_window = max(64, 2 * rollout.group_size * rollout.prompts_per_step)  # the breaker's agent runs
         self.should_stop: Callable[[], bool] = lambda: False
-        self.engine = self.clients = self._loop = self._producer = None
+        self.engine = self.sessions = self._loop = self._producer = None
         self._wake = asyncio.Event()  # set from any thread through the loop; bound to the loop at its first wait
         self._cond = threading.Condition()  # guards everything below, the admission and the counts
         self._ready: list[tuple[int, Group]] = []  # complete groups, keyed by the order they started
@@ -109,9 +109,9 @@ class RolloutSource:
         self._stopping, self._switch_s = False, None
 
     # ----- lifecycle (trainer thread) -----
-    def start(self, clients: AgentSessions) -> None:
+    def start(self, sessions: AgentSessions) -> None:
         """Start producing on the engine's loop (the engine holds the trainer's weights by now)."""
-        self.engine, self.clients, self._loop = clients.engine, clients, clients.engine.loop
+        self.engine, self.sessions, self._loop = sessions.engine, sessions, sessions.engine.loop
         if self.rollout.switch_interval_ms is not None:
             self._switch_s = sys.getswitchinterval()
             sys.setswitchinterval(self.rollout.switch_interval_ms / 1000)
@@ -303,7 +303,7 @@ class RolloutSource:
     async def _run_agent(self, prompt: int, order: int, index: int, sample: dict) -> Trajectory:
         traj = Trajectory(sample_id=prompt, group_id=order, member=index, sample=sample)
         timeout = self.rollout.agent_timeout_s
-        async with self.clients.client(traj, request_seed(self.rollout.task_seed, prompt, index),
+        async with self.sessions.client(traj, request_seed(self.rollout.task_seed, prompt, index),
                                        self._count_agent_event) as client:
             try:
                 result = await asyncio.wait_for(self.agent(client, sample), timeout)

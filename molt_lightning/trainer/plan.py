@@ -85,6 +85,18 @@ def plan(batch: Batch, world: int, rank: int, mini_batches: int = 1,
     return out
 
 
+def batch_metrics(batch: Batch, minis: list, shaped: torch.Tensor, steps: int, version: int
+                  ) -> tuple[dict[str, float], torch.Tensor, int]:
+    """The batch's own step metrics (rewards, lag, sizes, padding), its tokens' mean lag behind ``version`` (the
+    trainer's, before the step) and its sample count."""
+    mask, rewards = batch.loss_mask[:, 1:], batch.outcomes.rewards  # (N, T-1), (M,)
+    lag = (version - batch.versions[:, 1:][mask]).float()  # (tokens,)
+    return {"reward/shaped": shaped.mean(), "reward/std": rewards.std() if rewards.numel() > 1 else torch.tensor(0.0),
+            "lag/max": lag.max(), "batch/samples": float(rewards.numel()), "batch/policy_tokens": mask.sum().float(),
+            "batch/optimizer_steps": float(steps), "batch/padding_frac": padding_frac(batch, minis)
+            }, lag.mean(), rewards.numel()
+
+
 def padding_frac(batch: Batch, minis: list[MiniBatch]) -> float:
     """The share of pad tokens in this rank's micro-batches (what sequence packing could save)."""
     lengths = batch.attention_mask.sum(-1).tolist()

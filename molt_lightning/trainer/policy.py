@@ -235,6 +235,47 @@ def teacher_folder(teacher: str, tokenizer) -> str:
     return folder
 
 
+def trainable_lm(folder: str, dtype: torch.dtype, checkpointing: bool = False, lora=None):
+    """The LM to train from the policy ``folder``, and its tokenizer: loaded, checked against the tokenizer, with
+    activation checkpointing (``checkpointing``) and a LoRA adapter (``lora``: only the adapter requires grad) if asked,
+    in train mode. ``AsyncRLModule`` and ``molt sft`` build their policy with it."""
+    from transformers import AutoTokenizer
+
+    from ..policies import load_lm
+    from ..policies import lora as lora_
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    lm = load_lm(folder, dtype)
+    check_vocab(lm.config, tokenizer)
+    if checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora is not None:
+        lm = lora_.apply(lm, lora)
+    return lm.train(), tokenizer
+
+
+def rng_state() -> dict:
+    """The process's random states (torch, Python, NumPy) as plain types, for ``torch.load(weights_only=True)``."""
+    import random
+
+    import numpy as np
+
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
+
+
+def set_rng_state(rng: dict) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    name, keys, pos, has_gauss, gauss = rng["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+
+
 def frozen_policy(folder: str, dtype: torch.dtype, batching) -> Policy:
     """A frozen model beside the trained one (the KL reference, a distillation teacher), chunked like it."""
     from ..policies import load_lm

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from train_step import StepBench  # noqa: E402
 
-from molt_lightning import parallel  # noqa: E402
+from molt_lightning.trainer import parallel  # noqa: E402
 from molt_lightning.algorithms import Algorithm  # noqa: E402
 from molt_lightning.config import Batching, MoE, Optim  # noqa: E402
 from molt_lightning.trainer.weights import buckets as sync_buckets  # noqa: E402

@@ -58,7 +58,7 @@ from typing import Any
 
 from ..client import AgentResult
 
-log = logging.getLogger("molt_lightning.agents.adapters.verifiers")
+log = logging.getLogger(__name__)
 HARNESS_ID = "molt_chat_program"  # verifiers imports a harness by a dot-free module name: a shim holds ours
 __all__ = ["VerifiersAgent", "VerifiersTasks", "load_env_config"]  # and ChatProgramHarness, made on use
 _program: dict | None = None

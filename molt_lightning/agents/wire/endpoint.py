@@ -47,7 +47,7 @@ from ...trajectory import ContextOverflow
 from . import anthropic_messages, openai_chat
 from .checks import RequestError, check_sampling, json_object, need, short
 
-log = logging.getLogger("molt_lightning.agents.wire.endpoint")
+log = logging.getLogger(__name__)
 _ROUTES = "POST /v1/chat/completions, POST /v1/messages, GET /v1/models and GET /v1/models/{model}"
 
 

@@ -22,6 +22,8 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .support import check_supported, unsupported  # noqa: F401  (the stacks' shared checks)
+
 
 @dataclass
 class Stack:
@@ -65,16 +67,3 @@ def get_stack(name: str) -> Stack:
         raise ValueError(f"unknown stack {name!r}: use one of {sorted(STACKS)}; runs made elsewhere come in through "
                          "`molt-bench import`")
     return STACKS[name]
-
-
-def unsupported(stack: str, field_: str, value, supported) -> ValueError:
-    return ValueError(f"stack {stack} cannot run {field_}={value!r} (it supports {supported}); change the protocol "
-                      f"or --set {field_}=...")
-
-
-def check_supported(stack: str, protocol, supported: dict) -> None:
-    """Refuse the first protocol field (dotted path) whose value is not among the ones ``supported`` lists."""
-    for dotted, ok in supported.items():
-        value = protocol.get(dotted)
-        if value not in ok:
-            raise unsupported(stack, dotted, value, list(ok))

@@ -20,7 +20,7 @@ import os
 import warnings
 from pathlib import Path
 
-from . import check_supported, unsupported
+from .support import check_supported, unsupported
 
 SUPPORTED = {
     "optimizer.name": ("adamw",), "optimizer.schedule": ("constant",), "optimizer.betas": ([0.9, 0.999],),

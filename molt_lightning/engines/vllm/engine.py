@@ -4,14 +4,15 @@ Prompts go in as token ids (never text). ``logprobs_mode="processed_logprobs"`` 
 sampled token's logprob after temperature, i.e. under the distribution it was actually drawn from; the trainer applies
 the same temperature when it recomputes. Per-token policy versions come from vLLM's own weight-version spans
 (``update_weight_version``), so a request that spans an in-flight update is tagged exactly. A weight update (the
-phases of ``engines.base.update``) pauses the scheduler with ``mode="keep"`` (requests in flight freeze), loads the
-weights through ``MoltWorkerExtension``, and tags the version after resetting the prefix cache with
-``reset_running_requests=True``: requests in flight are preempted and their KV is recomputed under the new weights.
+phases, written once for both vLLM engines in ``phases``) pauses the scheduler with ``mode="keep"`` (requests in
+flight freeze), loads the weights through ``MoltWorkerExtension``, and tags the version after resetting the prefix
+cache with ``reset_running_requests=True``: requests in flight are preempted and their KV is recomputed under the new
+weights.
 So every token tagged version v was sampled from policy v given its whole context; neither stale prefix-cache entries
 nor an in-flight request's old KV leak the previous weights into it.
 
 A LoRA policy (``self.adapter``, set at launch): the engine starts with ``enable_lora=True`` and serves the base model
-plus the newest adapter, one ``LoRARequest`` per version (``vllm_lora.AdapterSlots``): the update's ``tag`` phase adds
+plus the newest adapter, one ``LoRARequest`` per version (``lora.AdapterSlots``): the update's ``tag`` phase adds
 the staged adapter under the new version (no pause, no cache reset, no base-weight reload), and every token of a
 request is tagged with the version of the adapter that request carries.
 
@@ -26,7 +27,9 @@ path a vision-language policy is served by the torch engine. On GPUs a user woul
 vLLM; passing ``multi_modal_data`` with the token prompt here is the missing piece (LLaVA's tower keys also need
 vLLM's names: ``vision_tower.*`` -> ``vision_tower.vision_model.*``, see the project's ENVIRONMENT notes).
 
-vLLM is imported only in ``start``: importing this module is cheap.
+Platform: ``dtype`` and ``enforce_eager`` default to what vLLM's platform needs (float32 and eager mode on the CPU,
+``cpu.defaults``; vLLM's own choice elsewhere); ``cpu_threads``, ``kv_cache_gib`` and ``direct_load`` only mean
+anything on the CPU platform (``cpu``). vLLM is imported only in ``open``: importing this module is cheap.
 
 Client-side cost per request (measured by ``benchmarks/overhead_profile.py``): vLLM's statistics loggers are off
 (``disable_log_stats``; the step metrics count tokens themselves), prompts go in as rendered token inputs (vLLM skips
@@ -47,43 +50,26 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from contextlib import contextmanager
 from collections.abc import Mapping
 
 import torch
 
-from ..base import Adapter, Generation, RolloutEngine, Sampling
+from ...policies.lora import Adapter
+from ..base import Generation, Sampling
 from ..fingerprint import Print
-from .shm import LoadAhead, Slab, Staging
-from .main_guard import require_main_guard
-from .reaper import Reaper
+from . import cpu
 from .lora import AdapterSlots, vllm_rank
+from .main_guard import require_main_guard
+from .phases import VLLMPhases
+from .reaper import Reaper
 
 
-@contextmanager
-def _bound_to(cores: str | None):
-    """Run the block bound to ``cores`` ("1", "0-1", "0,2"), then restore this process's CPU affinity."""
-    if not cores or not hasattr(os, "sched_setaffinity"):
-        yield
-        return
-    wanted = set()
-    for part in cores.split(","):
-        first, _, last = part.partition("-")
-        wanted.update(range(int(first), int(last or first) + 1))
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, wanted & before or before)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
-class VLLMEngine(RolloutEngine):
+class VLLMEngine(VLLMPhases):
     def __init__(
         self,
-        dtype: str = "float32",
+        dtype: str | None = None,
         max_model_len: int | None = None,
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
         seed: int = 0,
         kv_cache_gib: int = 1,
         cpu_threads: str | None = None,
@@ -91,27 +77,27 @@ class VLLMEngine(RolloutEngine):
         engine_kwargs: dict | None = None,
         capture_routing: bool = False,
         load_ahead: bool = True,
+        direct_load: bool = True,
     ):
-        """``cpu_threads`` binds the CPU engine's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"`` or
-        ``"0-1"``); ``engine_kwargs`` go to ``AsyncEngineArgs`` as they are (e.g. ``gpu_memory_utilization``);
-        ``capture_routing`` records a mixture-of-experts policy's routing (``Generation.routing``, for routing
-        replay) through the worker extension: eager mode only, and prefix caching is turned off. ``load_ahead``: the
-        worker packs each staged bucket's kernels while the trainer stages the next, and the commit swaps them in
-        (``vllm_load.Ahead``; the engine holds a second set of kernels during a sync: False saves that memory)."""
-        super().__init__()
-        if capture_routing and not enforce_eager:
+        """``dtype``/``enforce_eager``: None takes the platform's (``cpu.defaults``); ``cpu_threads`` binds the CPU
+        engine's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"`` or ``"0-1"``); ``engine_kwargs`` go to
+        ``AsyncEngineArgs`` as they are (e.g. ``gpu_memory_utilization``); ``capture_routing`` records a
+        mixture-of-experts policy's routing (``Generation.routing``, for routing replay) through the worker extension:
+        eager mode only, and prefix caching is turned off. On the CPU platform, ``direct_load`` loads each sync
+        straight into vLLM's kernels (``cpu``; False: vLLM's own ``reload_weights``, the path of every other platform),
+        and ``load_ahead`` packs each staged bucket's kernels while the trainer stages the next, the commit swapping
+        them in (the engine holds a second set of kernels during a sync: False saves that memory)."""
+        super().__init__(weight_dir, copies=1)
+        if capture_routing and enforce_eager is False:
             raise ValueError("VLLMEngine(capture_routing=True) hooks the routers in eager mode: set enforce_eager=True")
         self.captures_routing = capture_routing
         self.dtype, self.max_model_len, self.enforce_eager, self.seed = dtype, max_model_len, enforce_eager, seed
         self.kv_cache_gib, self.cpu_threads = kv_cache_gib, cpu_threads
-        self.weight_dir = weight_dir if os.path.isdir(weight_dir) else None
         self.engine_kwargs = engine_kwargs or {}
+        self.load_ahead, self.direct_load = load_ahead, direct_load
         self.llm = None
         self.reaper = Reaper()  # vLLM's engine processes die with this one, even on SIGKILL
         self._ids = itertools.count()
-        self.staging = Staging(self.weight_dir)  # the buckets' shared-memory slabs, written again every sync
-        self._staged: list[Slab] = []  # the slabs staged for the next commit
-        self.ahead = LoadAhead(load_ahead)  # their kernels, packed by the worker as they are staged
         self._staged_adapter: dict[str, torch.Tensor] = {}  # a LoRA policy's staged adapter tensors (peft names)
         self.adapters: AdapterSlots | None = None  # the LoRA adapters served, when self.adapter is set
         self._wanted: list[tuple[str, int, asyncio.Future]] = []  # finished requests whose routing is to be taken
@@ -123,25 +109,27 @@ class VLLMEngine(RolloutEngine):
         super().launch(model_path, adapter)
 
     async def open(self, model_path: str) -> None:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        if self.cpu_threads is not None:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_threads
-            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        on_cpu = cpu.defaults()  # {} off the CPU platform
+        if on_cpu:
+            cpu.set_environment(os.environ, self.kv_cache_gib, self.cpu_threads)
+        dtype = self.dtype or on_cpu.get("dtype", "auto")
+        eager = self.enforce_eager if self.enforce_eager is not None else \
+            on_cpu.get("enforce_eager", False) or self.captures_routing
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         lora = {} if self.adapter is None else \
             {"enable_lora": True, "max_lora_rank": vllm_rank(self.adapter.rank), "max_loras": 2}
         args = AsyncEngineArgs(
-            model=model_path, dtype=self.dtype, max_model_len=self.max_model_len, enforce_eager=self.enforce_eager,
+            model=model_path, dtype=dtype, max_model_len=self.max_model_len, enforce_eager=eager,
             seed=self.seed, logprobs_mode="processed_logprobs", disable_log_stats=True,
             worker_extension_cls="molt_lightning.engines.vllm.worker.MoltWorkerExtension",
             **({"enable_prefix_caching": False} if self.captures_routing else {}), **{**lora, **self.engine_kwargs},
         )
         before = self.reaper.children()
         try:
-            with _bound_to(self.cpu_threads):  # the engine's processes inherit the binding; this one gets its own back
+            with cpu.bound_to(self.cpu_threads if on_cpu else None):  # the engine's processes inherit the binding; this one gets its own back
                 self.llm = AsyncLLM.from_engine_args(args)
             self.reaper.watch(self.reaper.children() - before)
         except RuntimeError as e:
@@ -151,6 +139,7 @@ class VLLMEngine(RolloutEngine):
         self.vocab_size = self.llm.model_config.get_vocab_size()
         await self._warm_up()
         await self.llm.update_weight_version(str(self.version))
+        await self._open_weights(self.direct_load, self.load_ahead)
         if self.adapter is not None:
             self.adapters = AdapterSlots(self.llm, self.adapter, self.weight_dir)
         if self.captures_routing and not (await self.llm.collective_rpc("molt_capture_routing"))[0]:
@@ -177,16 +166,6 @@ class VLLMEngine(RolloutEngine):
             self.llm = None
         self.staging.close()
         self.reaper.close()
-
-    async def pause(self) -> None:
-        if self.adapters is None:  # a new adapter version needs no pause: each request keeps its own adapter
-            # the engine core's pause itself: AsyncLLM.pause_generation adds a 20 ms sleep after it "for a more
-            # intuitive ordering of events" (not for correctness), 20 ms of every sync on the tiny policy's 27
-            await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
-
-    async def resume(self) -> None:
-        if self.adapters is None:
-            await self.llm.resume_generation()
 
     async def _generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
         from vllm import SamplingParams
@@ -254,55 +233,55 @@ class VLLMEngine(RolloutEngine):
                 else:
                     done.set_result(routing)
 
+    # ----- the transport of the weight phases (``phases``), and a LoRA policy's adapters -----
+    async def _rpc(self, method: str, *args, timeout: float | None = None) -> list:
+        return await self.llm.collective_rpc(method, args=args)
+
+    async def _pause(self) -> None:
+        # the engine core's pause itself: AsyncLLM.pause_generation adds a 20 ms sleep after it "for a more
+        # intuitive ordering of events" (not for correctness), 20 ms of every sync on the tiny policy's 27
+        await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+
+    async def _reset_cache(self) -> None:
+        await self.llm.reset_prefix_cache(reset_running_requests=True)
+
+    async def _set_version(self, version: int) -> None:
+        await self.llm.update_weight_version(str(version))
+
     async def stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
         if self.adapters is not None:  # adapter tensors are small: written as one peft folder when tagged
             self._staged_adapter.update(bucket)
-            return
-        await self.ahead.begin(tuple(bucket), self._staged)
-        slab = await asyncio.to_thread(self.staging.write, bucket)  # the bucket's memory can go
-        self._staged.append(slab)
-        if self.ahead.wants(bucket) and self.llm is not None:
-            self.ahead.send(self.llm.collective_rpc("molt_prepare_slab", args=(slab.to_wire(), self.ahead.token)))
+        else:
+            await super().stage(bucket)
 
-    async def ready(self) -> None:
-        await self.ahead.settle()
+    async def pause(self) -> None:
+        if self.adapters is None:  # a new adapter version needs no pause: each request keeps its own adapter
+            await super().pause()
+
+    async def resume(self) -> None:
+        if self.adapters is None:
+            await self.llm.resume_generation()
 
     async def load(self) -> None:
-        if self.adapters is not None:
-            return  # an adapter is loaded under its version, by tag
-        await self.ahead.settle()
-        slabs, self._staged = self._staged, []
-        self.ahead.loaded(await self.llm.collective_rpc("molt_load_slabs", args=(
-            [s.to_wire() for s in slabs], self.staging.paths, self.ahead.token)))
-        self.staging.forget()  # the worker has them mapped: no name left in /dev/shm, even after a SIGKILL
+        if self.adapters is None:  # an adapter is loaded under its version, by tag
+            await super().load()
+            self.staging.forget()  # the worker has them mapped: no name left in /dev/shm, even after a SIGKILL
 
     async def tag(self, version: int) -> None:
-        if self.adapters is not None:
-            tensors, self._staged_adapter = self._staged_adapter, {}
-            await self.adapters.commit(tensors, version)
+        if self.adapters is None:
+            await super().tag(version)
             return
-        await self.llm.reset_prefix_cache(reset_running_requests=True)
-        await self.llm.update_weight_version(str(version))
+        tensors, self._staged_adapter = self._staged_adapter, {}
+        await self.adapters.commit(tensors, version)
 
     async def fingerprints(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Print | None]:
-        """Read in the worker, from the weights it computes with (``vllm_worker._Served``: fused layers by block,
-        repacked ones through their kernels); a LoRA policy: the adapter new requests get (``adapters.current``),
-        as vLLM holds it under its id."""
-        lora_id = None
-        if self.adapters is not None:
-            if self.adapters.current is None:
-                return dict.fromkeys(shapes)
-            lora_id = self.adapters.current.request.lora_int_id
-        wire = (await self.llm.collective_rpc("molt_fingerprints", args=({k: list(v) for k, v in shapes.items()},
-                                                                          lora_id)))[0]
-        prints = {name: Print.from_wire(w) for name, w in wire.items()}
-        if lora_id is not None:
-            prints = self.adapters.with_scale(prints)
-        return prints
-
-    async def weight_checksums(self) -> dict[str, float]:
-        """Sum of every parameter inside the engine, by vLLM's parameter names (for tests)."""
-        return (await self.llm.collective_rpc("molt_weight_checksums"))[0]
+        """As ``phases``; a LoRA policy: the adapter new requests get (``adapters.current``), as vLLM holds it."""
+        if self.adapters is None:
+            return await super().fingerprints(shapes)
+        if self.adapters.current is None:
+            return dict.fromkeys(shapes)
+        prints = await super().fingerprints(shapes, self.adapters.current.request.lora_int_id)
+        return self.adapters.with_scale(prints)
 
 
 # ----- errors (see the module docstring) -----

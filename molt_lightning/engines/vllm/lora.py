@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import Adapter
+from ...policies.lora import Adapter
 
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices (0.32)
 

@@ -36,7 +36,7 @@ from urllib.parse import urlparse
 
 import torch
 
-log = logging.getLogger("molt_lightning.engines.vllm.nccl")
+log = logging.getLogger(__name__)
 NO_CUDA = ("channel nccl needs CUDA on the trainer and the server; use shm on one machine or http across machines "
            "(torch.cuda.is_available() is False here)")
 SERVER_ARGS = ["--weight-transfer-config", '{"backend": "nccl"}']  # what `molt serve --nccl` adds for vLLM

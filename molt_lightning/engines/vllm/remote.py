@@ -2,10 +2,11 @@
 
 Token ids in, token ids out: ``POST /inference/v1/generate`` (vLLM's token-in/token-out route, ``--enable-scale-out``)
 returns the sampled ids, each one's logprob (the server runs ``--logprobs-mode processed_logprobs``: after
-temperature, as ``VLLMEngine``) and vLLM's own per-token weight-version spans. A weight update runs the phases of
-``engines.base.update`` over HTTP: ``/pause?mode=keep`` (requests in flight freeze), load (``/collective_rpc`` into
-``MoltWorkerExtension``), tag (``/reset_prefix_cache?reset_running_requests=true``: requests in flight are
-preempted and their KV recomputed under the new weights; then ``/update_weight_version``), ``/resume``. The spans
+temperature, as ``VLLMEngine``) and vLLM's own per-token weight-version spans. A weight update runs the phases that
+both vLLM engines share (``phases``) over HTTP: ``/pause?mode=keep`` (requests in flight freeze), load
+(``/collective_rpc`` into ``MoltWorkerExtension``), tag (``/reset_prefix_cache?reset_running_requests=true``:
+requests in flight are preempted and their KV recomputed under the new weights; then ``/update_weight_version``),
+``/resume``. The spans
 are cut by the engine core between scheduler steps, so a token tagged v was sampled by weights v from a KV cache
 computed by weights v: the same guarantee as in-process, read from the same field.
 
@@ -13,7 +14,8 @@ Weights travel over a named channel:
 - ``shm``: the buckets are copied into shared-memory slabs under ``weight_dir`` (``/dev/shm``, ``engines.shm``; two
   per bucket, used in turn, so the slab of the version a server serves stays intact for a server that restarts),
   their paths and indexes posted; the server's worker maps them and loads straight into its layers
-  (``molt_load_slabs``, as in-process). Same machine only (or a shared memory filesystem).
+  (``molt_load_slabs``, as in process; on the CPU platform with the kernels packed ahead). Same machine only (or a
+  shared memory filesystem).
 - ``http``: the safetensors bytes travel in the request body, base64 in the JSON ``collective_rpc`` args (vLLM's
   only route that reaches the worker with data; its weight routes take NCCL/IPC handles, not bytes).
   ``molt_load_weights_bytes`` decodes them. Cost: base64's extra third, a JSON parse in the API server and a msgpack
@@ -21,7 +23,7 @@ Weights travel over a named channel:
 - ``nccl`` (GPUs, across machines; the server runs ``molt serve --nccl``): the tensors are broadcast over an NCCL
   group of the trainer (rank 0) and the server's workers, through vLLM's weight-transfer routes
   (``/init_weight_transfer_engine`` once, then ``/start_weight_update``, ``/update_weights`` per bucket,
-  ``/finish_weight_update``) and vLLM's own trainer-side helpers: ``nccl_channel.py``. Untested on GPUs here.
+  ``/finish_weight_update``) and vLLM's own trainer-side helpers: ``nccl``. Untested on GPUs here.
 
 Failures: every call has a timeout. A request that fails (connection refused or dropped, timeout, a 5xx, an aborted
 request) raises ``EngineUnavailable``: the agent's trajectory fails with that reason and is counted by the rollout
@@ -30,7 +32,7 @@ source; a partial generation is never returned. A failed request or health check
 back), loads it the last update's weights and version (the same ``update`` sequence, ``rejoin``) before it serves
 again. ``check`` (called by the rollout source while it waits) raises once the engine has been down longer than
 ``down_timeout_s``, so a run whose server is gone fails with a message instead of waiting. With ``url=None`` the
-engine starts its own loopback server (``engines.server.LocalServer``) and stops it.
+engine starts its own loopback server (``server.LocalServer``) and stops it.
 
 Deviation: ``Sampling.seed`` is ignored, as in ``VLLMEngine`` (vLLM's CPU path fails with seeded requests).
 """
@@ -48,16 +50,15 @@ from urllib.parse import urlparse
 
 import torch
 
+from ..base import EngineUnavailable, Generation, Sampling, update
 from . import nccl as nccl_channel
-from ..base import EngineUnavailable, Generation, RolloutEngine, Sampling, update
-from .shm import LoadAhead, Staging
-from ..fingerprint import Print
+from .phases import Payload, VLLMPhases
 
-log = logging.getLogger("molt_lightning.engines.vllm.remote")
+log = logging.getLogger(__name__)
 CHANNELS = ("auto", "shm", "http", "nccl")
 
 
-class RemoteVLLMEngine(RolloutEngine):
+class RemoteVLLMEngine(VLLMPhases):
     def __init__(
         self,
         url: str | None = None,
@@ -75,32 +76,29 @@ class RemoteVLLMEngine(RolloutEngine):
         nccl_master_port: int = 29600,
         nccl_master_address: str | None = None,
         load_ahead: bool = True,
+        direct_load: bool = True,
     ):
         """``url``: the server (``http://127.0.0.1:8000``); ``None`` starts one on a free loopback port (with
         ``cpu_threads``, ``server_args`` for vLLM, ``start_timeout_s``). ``api_key`` (default: ``$MOLT_API_KEY``)
         is sent as a bearer token. ``channel``: ``shm``, ``http``, ``nccl`` or ``auto`` (``shm`` for a loopback
         server). ``nccl``: the trainer hosts the group's rendezvous on ``nccl_master_address`` (default: this
-        machine's address toward the server) and ``nccl_master_port``, which the server must reach. ``load_ahead``
-        (shm): as ``VLLMEngine``'s, the server's worker packs each staged bucket's kernels before the commit."""
-        super().__init__(down_timeout_s)
+        machine's address toward the server) and ``nccl_master_port``, which the server must reach. ``direct_load`` and
+        ``load_ahead`` (shm, a CPU server): as ``VLLMEngine``'s."""
+        super().__init__(weight_dir, copies=2, down_timeout_s=down_timeout_s)  # one served, one being staged
         if channel not in CHANNELS:
             raise ValueError(f"channel must be one of {CHANNELS}, got {channel!r}")
         self.url = url.rstrip("/") if url else None
         self.channel, self.api_key = channel, api_key if api_key is not None else os.environ.get("MOLT_API_KEY")
         self.request_timeout_s, self.connect_timeout_s = request_timeout_s, connect_timeout_s
         self.weight_timeout_s, self.health_interval_s = weight_timeout_s, health_interval_s
-        self.weight_dir = weight_dir if os.path.isdir(weight_dir) else None
-        self.staging = Staging(self.weight_dir, copies=2)  # the shm channel's slabs: one served, one being staged
-        self.ahead = LoadAhead(load_ahead)  # shm: their kernels, packed by the server's worker as they are staged
+        self.direct_load, self.load_ahead = direct_load, load_ahead
         self.cpu_threads, self.start_timeout_s, self.server_args = cpu_threads, start_timeout_s, server_args or []
         self.nccl_master_port, self.nccl_master_address = nccl_master_port, nccl_master_address
         self.server = None  # the LocalServer this engine started, if any
         self._http = None  # the aiohttp.ClientSession, while open
         self._nccl = None  # the NcclChannel, channel nccl
         self._ids = itertools.count()
-        # per bucket: ("shm", file path), ("http", base64 safetensors) or ("nccl", {name: host tensor})
-        self._staged: list[tuple[str, object]] = []
-        self._current: list[tuple[str, object]] = []  # those of the last update: a server that comes back gets them
+        self._current: list[Payload] = []  # the last update's buckets: a server that comes back gets them
         self._health: asyncio.Task | None = None
 
     # ----- lifecycle -----
@@ -124,7 +122,8 @@ class RemoteVLLMEngine(RolloutEngine):
         try:
             await self._call("GET", "/health", timeout=self.connect_timeout_s + 5)
             self.vocab_size = int((await self._rpc("molt_vocab_size", timeout=30))[0])
-            await self._post("/update_weight_version", json={"new_version": str(self.version)})
+            await self._set_version(self.version)
+            await self._open(timeout=30)
         except EngineUnavailable as e:
             await self.close()
             raise EngineUnavailable(f"{e}. Is `molt serve --policy {model_path}` running there (and reachable, with "
@@ -150,7 +149,7 @@ class RemoteVLLMEngine(RolloutEngine):
             self.check()
             await asyncio.sleep(min(0.2, self.health_interval_s))
 
-    async def pause(self) -> None:
+    async def _pause(self) -> None:
         await self._post("/pause", params={"mode": "keep", "clear_cache": "false"})
 
     async def resume(self) -> None:
@@ -181,33 +180,26 @@ class RemoteVLLMEngine(RolloutEngine):
                                "start it with `molt serve` (processed logprobs, weight versions set)")
         return Generation(ids, logprobs, versions, out["finish_reason"])
 
-    # ----- weights (the phases of engines.base.update) -----
-    async def stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
-        shm = self.channel == "shm"
-        if shm:
-            await self.ahead.begin(tuple(bucket), [data for kind, data in self._staged if kind == "shm"])
-        self._staged.append(staged := await asyncio.to_thread(self._serialize, bucket))
-        if shm and self.ahead.wants(bucket) and self.healthy:
-            self.ahead.send(self._rpc("molt_prepare_slab", staged[1].to_wire(), self.ahead.token,
-                                      timeout=self.weight_timeout_s))
+    # ----- the transport of the weight phases (``phases``), and the channels -----
+    async def _open(self, timeout: float | None = None) -> None:
+        if self.channel in ("shm", "http"):  # the loads the worker extension makes (nccl: vLLM's own routes)
+            await self._open_weights(self.direct_load, self.load_ahead and self.channel == "shm", timeout)
 
-    async def ready(self) -> None:
-        await self.ahead.settle()
+    async def _reset_cache(self) -> None:
+        reset = await self._post("/reset_prefix_cache", params={"reset_running_requests": "true"})
+        if not reset.get("success"):
+            raise RuntimeError(f"the engine at {self.url} could not reset its prefix cache after a weight load: "
+                               "tokens would be sampled from KV of the old weights")
+
+    async def _set_version(self, version: int) -> None:
+        await self._post("/update_weight_version", json={"new_version": str(version)})
 
     async def load(self) -> None:
         """Load the staged buckets (a new update: they become what a returning server gets), or, with none staged
         (a server that comes back), the current ones."""
         fresh = bool(self._staged)
         self._adopt()
-        await self.ahead.settle()
-        await self._load(self._current, self.ahead.token if fresh else None)
-
-    async def tag(self, version: int) -> None:
-        reset = await self._post("/reset_prefix_cache", params={"reset_running_requests": "true"})
-        if not reset.get("success"):
-            raise RuntimeError(f"the engine at {self.url} could not reset its prefix cache after a weight load: "
-                               "tokens would be sampled from KV of the old weights")
-        await self._post("/update_weight_version", json={"new_version": str(version)})
+        await self._deliver(self._current, self.ahead.token if fresh and self.ahead is not None else None)
 
     def defer(self, version: int) -> None:
         self._adopt()  # down: a server that comes back loads this update before it serves (``_rejoin``)
@@ -217,18 +209,14 @@ class RemoteVLLMEngine(RolloutEngine):
         if self._staged:
             self._current, self._staged = self._staged, []
 
-    async def _load(self, payload: list[tuple[str, object]], token: str | None = None) -> None:
-        """The one step that differs between channels: put the buckets' tensors into the (paused) server (shm: with
-        the kernels its worker packed ahead under ``token``)."""
-        if items := [data.to_wire() for kind, data in payload if kind == "shm"]:
-            self.ahead.loaded(await self._rpc("molt_load_slabs", items, self.staging.paths, token,
-                                              timeout=self.weight_timeout_s))
-        if items := [data for kind, data in payload if kind == "http"]:
-            await self._rpc("molt_load_weights_bytes", items, timeout=self.weight_timeout_s)
-        if items := [data for kind, data in payload if kind == "nccl"]:
+    async def _deliver(self, payloads: list[Payload], token: str | None) -> None:
+        await super()._deliver(payloads, token)  # the shm channel's slabs
+        if items := [data for kind, data in payloads if kind == "http"]:
+            await self._rpc("molt_load_weights_bytes", items)
+        if items := [data for kind, data in payloads if kind == "nccl"]:
             await self._nccl.load(items)
 
-    def _serialize(self, state: Mapping[str, torch.Tensor]) -> tuple[str, object]:
+    def _payload(self, state: Mapping[str, torch.Tensor]) -> Payload:
         from safetensors.torch import save
 
         if self.channel == "nccl":  # a copy: the trainer's tensors change after the commit, the bucket must not
@@ -236,19 +224,7 @@ class RemoteVLLMEngine(RolloutEngine):
         if self.channel == "http":
             return "http", base64.b64encode(save({k: v.detach().to("cpu").contiguous()
                                                   for k, v in state.items()})).decode("ascii")
-        return "shm", self.staging.write(state)
-
-    async def fingerprints(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Print | None]:
-        """Read in the server's worker, as ``VLLMEngine`` reads them (``vllm_worker.molt_fingerprints``)."""
-        wire = (await self._rpc("molt_fingerprints", {k: list(v) for k, v in shapes.items()},
-                                timeout=self.weight_timeout_s))[0]
-        if not isinstance(wire, dict):  # a server whose worker extension predates fingerprints: unverified
-            raise NotImplementedError(f"the server at {self.url} answered molt_fingerprints with {wire!r}")
-        return {name: Print.from_wire(w) for name, w in wire.items()}
-
-    async def weight_checksums(self) -> dict[str, float]:
-        """Sum of every parameter inside the engine, by vLLM's parameter names (for tests)."""
-        return (await self._rpc("molt_weight_checksums"))[0]
+        return super()._payload(state)
 
     # ----- health -----
     async def _watch(self) -> None:
@@ -268,6 +244,7 @@ class RemoteVLLMEngine(RolloutEngine):
         if self._nccl is not None:
             self._nccl.reset()  # the server may have restarted: it joins a new group
         try:
+            await self._open()  # a restarted server is asked again
             if await update([self], self.version, rejoin=True, expected=self.expected):
                 self._down_since = None  # up: it serves again
                 log.warning("the engine at %s serves again (version %d)", self.url, self.version)
@@ -275,7 +252,8 @@ class RemoteVLLMEngine(RolloutEngine):
             self.mark_down(f"could not reload its weights: {e}")
 
     # ----- HTTP -----
-    async def _rpc(self, method: str, *args, timeout: float | None = None):
+    async def _rpc(self, method: str, *args, timeout: float | None = None) -> list:
+        timeout = timeout or self.weight_timeout_s
         body = {"method": method, "args": list(args), "timeout": timeout}
         return (await self._post("/collective_rpc", json=body, timeout=timeout))["results"]
 

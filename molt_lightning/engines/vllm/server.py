@@ -1,7 +1,7 @@
-"""The command line and environment of a ``molt serve`` vLLM server, and ``LocalServer``, which runs one as a child
-process in its own process group (stopped with the whole group: vLLM's engine core is a grandchild) on a free
-loopback port. ``RemoteVLLMEngine`` starts one when given no URL; ``molt serve`` (``molt_lightning.commands.serve``) runs the
-same command in its own process.
+"""The command line and environment of a ``molt serve`` vLLM server, the ``Guard`` on its control routes, and
+``LocalServer``, which runs one as a child process in its own process group (stopped with the whole group: vLLM's
+engine core is a grandchild) on a free loopback port. ``RemoteVLLMEngine`` starts one when given no URL; ``molt
+serve`` (``commands.serve``) runs the same command in its own process.
 
 ``--enable-server-load-tracking`` makes ``GET /load`` count the generate requests the server is handling (tests and
 operators read it to see requests arrive).
@@ -9,7 +9,9 @@ operators read it to see requests arrive).
 
 from __future__ import annotations
 
+import hashlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -18,30 +20,73 @@ import time
 import urllib.request
 from pathlib import Path
 
+from . import cpu
+
 TOKEN_ENV = "MOLT_API_KEY"
 WORKER = "molt_lightning.engines.vllm.worker.MoltWorkerExtension"
+GUARD = "molt_lightning.engines.vllm.server.Guard"
 
 
 def server_command(policy: str, host: str, port: int, extra: list[str] = ()) -> list[str]:
+    """The server's command line; the platform's dtype and eager mode (``cpu.defaults``) unless ``extra`` sets them."""
+    platform = cpu.defaults()
+    chosen = ([] if "--dtype" in extra or "dtype" not in platform else ["--dtype", platform["dtype"]]) + \
+        (["--enforce-eager"] if platform.get("enforce_eager") and "--enforce-eager" not in extra else [])
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", policy, "--host", host,
-            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--logprobs-mode", "processed_logprobs",
-            "--enable-scale-out", "--worker-extension-cls", WORKER, "--middleware", "molt_lightning.commands.serve.Guard",
-            "--disable-log-stats", "--enable-server-load-tracking", "--uvicorn-log-level", "warning", *extra]
+            "--port", str(port), *chosen, "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
+            "--worker-extension-cls", WORKER, "--middleware", GUARD, "--disable-log-stats",
+            "--enable-server-load-tracking", "--uvicorn-log-level", "warning", *extra]
 
 
 def server_env(api_key: str | None = None, cpu_threads: str | None = None) -> dict[str, str]:
     # PYTHONFAULTHANDLER: a crash, or the SIGABRT that stops a start that hangs (wait_ready), logs every stack
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONFAULTHANDLER="1")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if cpu.defaults():
+        cpu.set_environment(env, 1, cpu_threads)
     root = str(Path(__file__).resolve().parents[3])  # this checkout's package, for the worker extension too
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     if api_key:
         env[TOKEN_ENV] = env["VLLM_API_KEY"] = api_key
-    if cpu_threads is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads
-        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     return env
+
+
+PUBLIC = ("/health", "/ping", "/load", "/version", "/is_paused", "/weight_info", "/metrics")  # read-only probes
+SERVING = ("/v1", "/v2", "/inference", "/cohere")  # vLLM's --api-key guards these
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+class Guard:
+    """vLLM's own ``--api-key`` guards only the ``/v1``, ``/inference`` routes; its control routes (weights, pause, RPC:
+    arbitrary worker methods) stay open. This ASGI middleware (given to vLLM as ``--middleware``) refuses them
+    (everything but the ``PUBLIC`` probes and the ``SERVING`` routes) to anything but loopback, or, with a token
+    (``--api-key`` or ``$MOLT_API_KEY``, handed to vLLM as ``VLLM_API_KEY`` so the serving routes need it too), to any
+    request that does not carry it as a bearer token (403)."""
+
+    def __init__(self, app, token: str | None = None):
+        self.app = app
+        token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self.digest = hashlib.sha256(token.encode()).digest() if token else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and not self.allowed(scope):
+            from starlette.responses import JSONResponse
+
+            why = ("this control route needs the server's token (Authorization: Bearer ...)" if self.digest else
+                   "control routes answer loopback only; start the server with --api-key to use them remotely")
+            return await JSONResponse({"error": why}, status_code=403)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def allowed(self, scope) -> bool:
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if path.startswith(PUBLIC) or path.startswith(SERVING) or scope.get("method") == "OPTIONS":
+            return True
+        if self.digest is None:
+            return (scope.get("client") or ("?",))[0] in LOOPBACK
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+        scheme, _, given = auth.partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(hashlib.sha256(given.encode()).digest(),
+                                                                     self.digest)
 
 
 def free_port() -> int:

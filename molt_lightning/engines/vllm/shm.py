@@ -7,7 +7,7 @@ bucket with the same names, shapes and dtypes is written again in place on the n
 faults, no safetensors header (a new safetensors file per bucket cost 0.16 s of SmolLM2's 0.8 s sync). Tensors lie in
 the bucket's order, so the row blocks of a layer that vLLM serves fused (q/k/v, gate/up: adjacent in a Hugging Face
 model's parameter order) lie back to back, and the worker hands the fused block to its kernel as one view
-(``vllm_load``). ``read(slab)`` is the worker's side: zero-copy tensors over a mapping of the file, kept open.
+(``cpu``). ``read(slab)`` is the worker's side: zero-copy tensors over a mapping of the file, kept open.
 
 Safety: a slab is written again only for the next sync, and the weight flow starts staging a sync only once the
 previous load has finished (``WeightFlow.push`` settles first), so a worker never reads a slab while it is written.
@@ -19,14 +19,10 @@ into new tensors) and ``torch.multiprocessing`` (its own handle protocol, not a 
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import logging
 import mmap
 import os
 import tempfile
-import uuid
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -100,51 +96,6 @@ class Staging:
     @property
     def paths(self) -> list[str]:
         return [slab.path for slab, _ in self._slabs.values()]
-
-
-class LoadAhead:
-    """The engine's side of packing kernels ahead of the commit (``vllm_load.Ahead``, the worker's): once a bucket is
-    staged, ``send`` the worker's ``molt_prepare_slab`` call without waiting for it, so the worker packs that bucket
-    while the trainer stages the next; the commit ``settle``s them all first and loads under ``token``. A failed call
-    only means the commit packs those layers itself (logged once). ``on=False``: nothing is sent (no second set of
-    kernels in the engine during a sync). Buckets under ``min_bytes`` are packed at the commit: for them the call's
-    round trip costs more than the packing it would overlap (the tiny policy's one 2.2 MB bucket: 0.0089 s/push with
-    the call, 0.0074 without)."""
-
-    min_bytes = 4 * 2**20
-
-    def __init__(self, on: bool = True):
-        self.on, self.token = on, None
-        self.used = 0  # kernels the last commit swapped in packed ahead (every worker together)
-        self._prefix, self._count = uuid.uuid4().hex[:12], itertools.count()
-        self._calls: list[asyncio.Future] = []
-        self._told = False
-
-    async def begin(self, names: tuple[str, ...], staged: list[Slab]) -> None:
-        """Before a bucket is written: a new sync (nothing staged yet), or a bucket staged again (a push that stopped
-        halfway), gets a new token, once the calls in flight (which may read the slab about to be written) are done."""
-        if not staged or any(tuple(n for n, *_ in s.index) == names for s in staged):
-            await self.settle()
-            self.token = f"{self._prefix}-{next(self._count)}"
-
-    def loaded(self, results: list) -> None:
-        """Note the workers' answers to ``molt_load_slabs``."""
-        self.used = sum(r.get("packed_ahead", 0) for r in results if isinstance(r, dict))
-
-    def wants(self, bucket: Mapping[str, torch.Tensor]) -> bool:
-        """Whether to have this staged bucket packed ahead."""
-        return self.on and sum(t.numel() * t.element_size() for t in bucket.values()) >= self.min_bytes
-
-    def send(self, call: Awaitable) -> None:
-        self._calls.append(asyncio.ensure_future(call))
-
-    async def settle(self) -> None:
-        calls, self._calls = self._calls, []
-        for result in await asyncio.gather(*calls, return_exceptions=True):
-            if isinstance(result, BaseException) and not self._told:
-                self._told = True
-                logging.getLogger(__name__).warning("kernels were not packed ahead of a weight commit (the commit "
-                                                    "packs them): %r", result)
 
 
 _mapped: dict[str, torch.Tensor] = {}  # the reader's mappings by path, as uint8 tensors, kept for the next sync

@@ -1,0 +1,114 @@
+"""The weight phases of a vLLM engine, written once over its transport: ``VLLMEngine`` (in process: ``AsyncLLM``) and
+``RemoteVLLMEngine`` (a ``molt serve`` server over HTTP) each implement only the four calls that differ, ``_rpc``
+(a worker-extension method on every worker), ``_pause``, ``_reset_cache`` and ``_set_version``.
+
+The sequence (``engines.base.update`` runs it, for one engine or every engine of a pool):
+- ``stage``: a bucket is copied into a shared-memory slab (``shm``; the remote engine's ``http`` and ``nccl``
+  channels make other payloads), nothing served changes;
+- ``pause``: generation freezes, requests in flight keep their progress;
+- ``load``: the worker loads every staged bucket (``molt_load_slabs``; the worker picks vLLM's own ``reload_weights``
+  or, on the CPU platform, the direct load of ``cpu``);
+- ``tag``: the prefix cache is reset with the running requests (their KV is recomputed under the new weights) and the
+  version is set, so every token sampled from now on carries it;
+- ``fingerprints`` (the check, before the resume): what the workers serve, read back (``readback``);
+- ``resume``.
+
+The CPU platform's one addition is asked once at open (``_open_weights``: the worker's ``molt_open``): where vLLM runs
+on its CPU kernels, each staged bucket's kernels are packed ahead (``cpu.PackAhead``) and ``pause`` first waits for
+them; anywhere else the engine sends no such call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Mapping
+
+import torch
+
+from ..base import RolloutEngine
+from ..fingerprint import Print
+from .shm import Staging
+
+Payload = tuple[str, object]  # (channel, data): ("shm", Slab), ("http", base64 safetensors), ("nccl", {name: tensor})
+
+
+class VLLMPhases(RolloutEngine):
+    def __init__(self, weight_dir: str, copies: int, down_timeout_s: float = 60.0):
+        """``weight_dir``: where the slabs live (``/dev/shm``); ``copies``: slabs per bucket, used in turn."""
+        super().__init__(down_timeout_s)
+        self.weight_dir = weight_dir if os.path.isdir(weight_dir) else None
+        self.staging = Staging(self.weight_dir, copies)
+        self.direct = False  # the worker loads straight into vLLM's CPU kernels (answered at open)
+        self.ahead = None  # cpu.PackAhead, where the direct load is on and packing ahead was asked for
+        self._staged: list[Payload] = []
+
+    # ----- the transport: what each engine writes -----
+    async def _rpc(self, method: str, *args, timeout: float | None = None) -> list:
+        """Call ``MoltWorkerExtension.<method>(*args)`` on every worker; their answers."""
+        raise NotImplementedError
+
+    async def _pause(self) -> None:
+        raise NotImplementedError
+
+    async def _reset_cache(self) -> None:
+        """Drop every KV block, the running requests' too (they are recomputed under the new weights)."""
+        raise NotImplementedError
+
+    async def _set_version(self, version: int) -> None:
+        raise NotImplementedError
+
+    def _payload(self, bucket: Mapping[str, torch.Tensor]) -> Payload:
+        return "shm", self.staging.write(bucket)
+
+    # ----- the phases -----
+    async def _open_weights(self, direct: bool, load_ahead: bool, timeout: float | None = None) -> None:
+        """Ask the workers once whether the CPU platform's direct load applies (``direct``: wanted)."""
+        self.direct = all((await self._rpc("molt_open", direct, timeout=timeout)))
+        if self.direct and load_ahead:
+            from .cpu import PackAhead
+
+            self.ahead = PackAhead()
+
+    async def stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
+        if self.ahead is not None:
+            await self.ahead.begin(tuple(bucket), [data for kind, data in self._staged if kind == "shm"])
+        kind, data = await asyncio.to_thread(self._payload, bucket)
+        self._staged.append((kind, data))
+        if self.ahead is not None and kind == "shm" and self.ahead.wants(bucket) and self.healthy:
+            self.ahead.send(self._rpc("molt_prepare_slab", data.to_wire(), self.ahead.token))
+
+    async def pause(self) -> None:
+        if self.ahead is not None:
+            await self.ahead.settle()  # the kernels packed ahead, while the engine still serves
+        await self._pause()
+
+    async def load(self) -> None:
+        payloads, self._staged = self._staged, []
+        await self._deliver(payloads, self.ahead.token if self.ahead is not None else None)
+
+    async def _deliver(self, payloads: list[Payload], token: str | None) -> None:
+        """Put the staged buckets into the (paused) workers (shm: with the kernels packed ahead under ``token``)."""
+        if self.ahead is not None:
+            await self.ahead.settle()
+        if slabs := [data.to_wire() for kind, data in payloads if kind == "shm"]:
+            results = await self._rpc("molt_load_slabs", slabs, self.staging.paths, token)
+            if self.ahead is not None:
+                self.ahead.loaded(results)
+
+    async def tag(self, version: int) -> None:
+        await self._reset_cache()
+        await self._set_version(version)
+
+    async def fingerprints(self, shapes: Mapping[str, tuple[int, ...]], lora_id: int | None = None
+                           ) -> dict[str, Print | None]:
+        """Read in the worker, from the weights it computes with (``readback``); with ``lora_id``, that adapter."""
+        wire = (await self._rpc("molt_fingerprints", {k: list(v) for k, v in shapes.items()}, lora_id))[0]
+        if not isinstance(wire, dict):  # a server whose worker extension predates fingerprints: unverified
+            raise NotImplementedError(f"the engine {self.where} answered molt_fingerprints with {wire!r}")
+        return {name: Print.from_wire(w) for name, w in wire.items()}
+
+    async def weight_checksums(self) -> dict[str, float]:
+        """Sum of every parameter inside the engine, by vLLM's parameter names (for tests)."""
+        return (await self._rpc("molt_weight_checksums"))[0]
+
