@@ -56,11 +56,7 @@ def push_time(engine, lm, repeats: int, bucket_bytes: int, warmups: int = 1) -> 
 
 
 def make_engine(name: str):
-    import asyncio
-    import os
-    import tempfile
 
-    from safetensors.torch import save_file
 
     from molt_lightning.engines import TorchEngine, VLLMEngine
 
