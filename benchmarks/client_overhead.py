@@ -81,13 +81,13 @@ async def round_ms(agent, engine, template, endpoint, n: int) -> float:
     """Milliseconds per request for ``n`` concurrent agent runs, each its own trajectory (and API key)."""
     clients = [AgentClient(engine, Trajectory(i, 0), template, 1.0, 256) for i in range(n)]
     for i, c in enumerate(clients):
-        endpoint.register(c, str(i))
+        c.attach(endpoint, str(i))
     t0 = time.perf_counter()
     rewards = await asyncio.gather(*[agent(c, dict(SAMPLE)) for c in clients])
     rewards = [r.reward if hasattr(r, "reward") else r for r in rewards]  # a harness returns an AgentResult
     ms = (time.perf_counter() - t0) * 1e3 / n
     for c in clients:
-        endpoint.unregister(c)
+        c.detach()
         assert "endpoint_errors" not in c.trajectory.info, c.trajectory.info
     assert rewards == [1.0] * n  # every run got the reply and scored it
     return ms

@@ -37,7 +37,7 @@ async def round_s(way: str, engine, template, endpoint, n: int, max_tokens: int,
     questions = [[{"role": "user", "content": make_problem(rng)["question"]}] for _ in range(n)]
     llms = []
     for i, c in enumerate(clients):
-        endpoint.register(c, f"{i}")
+        c.attach(endpoint, f"{i}")
         llms.append(endpoint.openai(c.api_key))  # = client.openai(): one shared connection pool
 
     async def one(i):
@@ -53,7 +53,7 @@ async def round_s(way: str, engine, template, endpoint, n: int, max_tokens: int,
     await asyncio.gather(*[one(i) for i in range(n)])
     seconds = (time.perf_counter() - t0) / n
     for c in clients:
-        endpoint.unregister(c)
+        c.detach()
     return seconds
 
 

@@ -26,7 +26,7 @@ def run(name: str, steps: int, warmup: int, evaluate) -> dict:
     from molt_lightning.engines import VLLMEngine
     from molt_lightning.tasks import arithmetic
 
-    module = AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, "molt_lightning.models.tiny.arithmetic_policy", engine=VLLMEngine(seed=0, cpu_threads="1"),
+    module = AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, engine=VLLMEngine(seed=0, cpu_threads="1"),
                            torch_threads=1, rollout=Rollout(max_lag=1), optim=Optim(lr=3e-4))
     out = tempfile.mkdtemp()
     L.seed_everything(0, verbose=False)

@@ -40,7 +40,7 @@ def run(name, max_lag, bind, threads, steps, warmup):
     from molt_lightning.tasks import arithmetic
 
     engine = VLLMEngine(seed=0, cpu_threads=bind)
-    module = AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, "molt_lightning.models.tiny.arithmetic_policy", engine=engine, torch_threads=threads,
+    module = AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, engine=engine, torch_threads=threads,
                            rollout=Rollout(max_lag=max_lag), optim=Optim(lr=3e-4))
     out = tempfile.mkdtemp()
     L.seed_everything(0, verbose=False)

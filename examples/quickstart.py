@@ -20,5 +20,4 @@ async def agent(client, sample) -> float:  # an ordinary async program: multi-tu
 
 if __name__ == "__main__":  # required: vLLM's engine process re-imports this script
     trainer = L.Trainer(max_steps=20, log_every_n_steps=1, logger=CSVLogger("runs"))  # runs/lightning_logs/version_N
-    policy = "molt_lightning.models.tiny.arithmetic_policy"  # a HF folder, or a function returning one
-    trainer.fit(AsyncRLModule(agent=agent, tasks=tasks, policy=policy, engine=VLLMEngine(), rollout=Rollout(max_lag=1)))
+    trainer.fit(AsyncRLModule(agent=agent, tasks=tasks, engine=VLLMEngine(), rollout=Rollout(max_lag=1)))

@@ -58,7 +58,7 @@ class AsyncRLModule(L.LightningModule):
         self,
         agent: Callable,
         tasks: Callable,
-        policy: str,
+        policy: str = "molt_lightning.models.tiny.arithmetic_policy",
         engine: RolloutEngine | None = None,
         rollout: Rollout = Rollout(),
         algo: Algorithm = Algorithm(),
@@ -76,8 +76,7 @@ class AsyncRLModule(L.LightningModule):
             agent: ``async def agent(client, sample) -> float | AgentResult`` (dotted path in a recipe), or an
                 instance with such an ``async __call__`` (``agents.EnvAgent``: an environment as an agent).
             tasks: ``tasks(seed) -> iterator of samples``; each sample is handed to ``rollout.group_size`` agent runs.
-            policy: a Hugging Face model folder, or the dotted path of a function that returns one (the embedded
-                default: ``molt_lightning.models.tiny.arithmetic_policy``).
+            policy: a Hugging Face model folder, or the dotted path of a function that returns one.
             engine: the rollout engine (``VLLMEngine``, ``TorchEngine``, ``EnginePool``, ...); default ``TorchEngine()``.
             rollout, algo, optim, batching, moe: the recipe's records (``config``, ``algorithms.Algorithm``).
             lora: train a LoRA adapter (peft) instead of every weight; only the adapter syncs (``policies.lora``).

@@ -1,5 +1,6 @@
-"""Shared fixtures: the embedded tiny policy (built once per machine), one real vLLM engine per test session, and two
-``molt serve`` servers on loopback (started together on first use) with a remote engine on the first."""
+"""Shared fixtures: the embedded tiny policy (built once per machine), one real vLLM engine per policy kind per test
+session (dense, LoRA, mixture-of-experts: each tests puts back the weights it changed), and two ``molt serve``
+servers on loopback (started together on first use) with a remote engine on the first."""
 
 from __future__ import annotations
 
@@ -49,6 +50,55 @@ def vllm_engine(policy_path):
 
     engine = VLLMEngine(seed=0)
     engine.launch(policy_path)
+    yield engine
+    engine.release()
+
+
+LORA = {"r": 8, "alpha": 16, "target_modules": "all-linear"}  # the adapter the session's LoRA engine serves
+
+
+@pytest.fixture(scope="session")
+def lora_lm(policy_path):
+    """The HF PeftModel (``LORA`` on the tiny policy) whose adapter the session's LoRA engine serves."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from molt_lightning.policies import lora
+
+    lm = AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32)
+    return lora.apply(lm, lora.LoraSpec(**LORA)).eval()
+
+
+@pytest.fixture(scope="session")
+def vllm_lora_engine(policy_path, lora_lm):
+    """One LoRA-enabled vLLM engine for the session (start-up 25-60 s); it holds no adapter until a test commits one."""
+    pytest.importorskip("vllm")
+    from molt_lightning.engines import Sampling, VLLMEngine
+    from molt_lightning.policies import lora
+
+    engine = VLLMEngine(seed=0)
+    engine.launch(policy_path, lora.adapter_of(lora_lm))
+    with pytest.raises(RuntimeError, match="holds no adapter yet: commit one"):  # version 0 is an adapter too
+        engine.call(engine.generate([1, 2, 3], Sampling(max_tokens=2)))
+    yield engine
+    engine.release()
+
+
+@pytest.fixture(scope="session")
+def moe_path() -> str:
+    from molt_lightning.models.tiny import moe_policy
+
+    return moe_policy()
+
+
+@pytest.fixture(scope="session")
+def vllm_moe_engine(moe_path):
+    """One vLLM engine of the tiny mixture-of-experts policy for the session, recording the routing (eager mode)."""
+    pytest.importorskip("vllm")
+    from molt_lightning.engines import VLLMEngine
+
+    engine = VLLMEngine(seed=0, capture_routing=True)
+    engine.launch(moe_path)
     yield engine
     engine.release()
 

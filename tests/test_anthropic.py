@@ -116,7 +116,7 @@ def test_a_reply_cut_at_max_tokens_says_so(tool_tokenizer):
         endpoint = Endpoint(["policy"], temperature=1.0)
         await endpoint.start()
         client = AgentClient(engine, Trajectory(0, 0), template, 1.0, 256)
-        endpoint.register(client, "0-0")
+        client.attach(endpoint, "0-0")
         async with anthropic.AsyncAnthropic(base_url=client.anthropic_base_url, api_key=client.api_key,
                                             max_retries=0) as llm:
             reply = await llm.messages.create(model="policy", messages=QUESTION, max_tokens=4)

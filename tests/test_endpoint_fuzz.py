@@ -116,8 +116,8 @@ def served():
     fuzz = AgentClient(engine, Trajectory(0, 0), clients.template, 1.0, CONTEXT, seed=0,
                        counter=lambda name, n: counts.update({name: n}))
     loose = AgentClient(engine, Trajectory(3, 0), clients.template, 1.0, CONTEXT, seed=3)
-    clients.endpoint.register(fuzz, "fuzz")
-    clients.endpoint.register(loose, "loose")
+    fuzz.attach(clients.endpoint, "fuzz")
+    loose.attach(clients.endpoint, "loose")
     out = Served(clients, fuzz, loose, counts, generations)
     try:
         yield out
@@ -327,11 +327,11 @@ def test_the_base_requests_are_valid(served):
     """The bases every mutation starts from are answered (by another trajectory: the fuzzed one stays empty until
     its one valid turn); the fuzzed trajectory then takes its one valid turn, the record checked at the end."""
     other = AgentClient(served.fuzz.engine, Trajectory(1, 0), served.clients.template, 1.0, CONTEXT, seed=1)
-    served.endpoint.register(other, "base")
+    other.attach(served.endpoint, "base")
     for path, base in ((CHAT, OPENAI), (MESSAGES, ANTHROPIC)):
         status, answer = served.send("POST", path, json.dumps(base).encode(), key=other.api_key)
         assert status == 200, answer
-    served.endpoint.unregister(other)
+    other.detach()
     assert other.trajectory.num_policy_tokens > 0 and "endpoint_errors" not in other.trajectory.info
     status, answer = served.send("POST", CHAT, json.dumps(OPENAI).encode())
     assert status == 200 and answer["choices"][0]["message"]["role"] == "assistant", answer
@@ -537,7 +537,7 @@ def test_the_server_still_answers_and_nothing_refused_was_recorded(served):
     assert not served.endpoint._task.done()
 
     after = AgentClient(served.fuzz.engine, Trajectory(2, 0), served.clients.template, 1.0, CONTEXT, seed=2)
-    served.endpoint.register(after, "after")
+    after.attach(served.endpoint, "after")
 
     async def ask():
         openai_reply = await after.openai().chat.completions.create(model="policy", messages=OPENAI["messages"],
@@ -553,4 +553,4 @@ def test_the_server_still_answers_and_nothing_refused_was_recorded(served):
     loose = served.loose.trajectory  # random JSON in a field: one turn, one policy span per request answered 200
     assert loose.turns == len(list(loose.policy_spans())) == served.loose_answered
     assert len(served.generations) == served.record[3] + served.loose_answered + 2 and after.trajectory.turns == 2
-    served.endpoint.unregister(after)
+    after.detach()

@@ -318,21 +318,12 @@ def test_vllm_dropped_bucket_and_tag_without_load_stop_with_the_tensor(vllm_engi
         vllm_engine.call(vllm_engine.update_weights(policy_weights, 0))
 
 
-@pytest.fixture(scope="module")
-def vllm_lora(policy_path):
-    """A LoRA-enabled vLLM engine (start-up 25-60 s) and the peft policy whose adapter it serves."""
-    pytest.importorskip("vllm")
+@pytest.fixture
+def vllm_lora(vllm_lora_engine, lora_lm):
+    """The session's LoRA-enabled vLLM engine and the adapter (peft's names) of the policy it serves."""
     from peft import get_peft_model_state_dict
-    from transformers import AutoModelForCausalLM
 
-    from molt_lightning.policies import lora
-    from molt_lightning.engines import VLLMEngine
-
-    lm = lora.apply(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32), lora.LoraSpec(r=8))
-    engine = VLLMEngine(seed=0)
-    engine.launch(policy_path, lora.adapter_of(lm))
-    yield engine, {k: v.detach().clone() for k, v in get_peft_model_state_dict(lm).items()}
-    engine.release()
+    return vllm_lora_engine, {k: v.detach().clone() for k, v in get_peft_model_state_dict(lora_lm).items()}
 
 
 @pytest.mark.slow
@@ -377,19 +368,14 @@ def test_remote_engine_verifies_over_http_and_names_its_server(remote_engine, po
 
 
 @pytest.mark.slow
-def test_vllm_moe_experts_are_unverified_and_everything_else_verifies(caplog):
+def test_vllm_moe_experts_are_unverified_and_everything_else_verifies(vllm_moe_engine, moe_path, caplog, monkeypatch):
     """A mixture-of-experts policy on vLLM: the CPU MoE kernel repacks the expert weights in place, so they are not
     read back (one warning, ``sync/verified`` 0: no false alarm); every other tensor (the routers included, through
     their kernels) is, and a load that did nothing is still caught."""
     from safetensors.torch import load_file
 
-    from molt_lightning.engines import VLLMEngine
-    from molt_lightning.models.tiny import moe_policy
-
-    path = moe_policy()
-    state = load_file(str(Path(path) / "model.safetensors"))
-    engine = VLLMEngine(seed=0)
-    engine.launch(path)
+    state, engine = load_file(str(Path(moe_path) / "model.safetensors")), vllm_moe_engine
+    engine._warned_unverified = False  # the warning comes once per engine
     try:
         flow = push(engine, changed(state), 1)
         flow.settle()
@@ -402,9 +388,10 @@ def test_vllm_moe_experts_are_unverified_and_everything_else_verifies(caplog):
         async def no_load():
             engine._staged = []
 
-        engine.load = no_load
+        monkeypatch.setattr(engine, "load", no_load)
         flow = push(engine, changed(state, seed=1), 2)
         with pytest.raises(WeightMismatch, match="VLLMEngine does not serve the weights of version 2"):
             flow.settle()
     finally:
-        engine.release()
+        monkeypatch.undo()
+        engine.call(engine.update_weights(state, 0))  # the session's engine goes back

@@ -32,7 +32,6 @@ from molt_lightning.tasks.arithmetic import calculator_agent, tasks
 GOLDEN = Path(__file__).parent / "golden.json"
 STEPS, G, P = 5, 8, 8
 KEYS = ("reward", "loss/total", "grad_norm")
-POLICY = "molt_lightning.models.tiny.arithmetic_policy"  # the embedded default
 
 
 class Record(L.Callback):
@@ -72,7 +71,7 @@ def checksums(module: AsyncRLModule) -> dict[str, float]:
 
 def golden_run(tmp_path, max_lag: int) -> dict:
     L.seed_everything(0, verbose=False)
-    module = AsyncRLModule(calculator_agent, tasks, POLICY, engine=TorchEngine(seed=0), optim=Optim(lr=3e-4),
+    module = AsyncRLModule(calculator_agent, tasks, engine=TorchEngine(seed=0), optim=Optim(lr=3e-4),
                            rollout=Rollout(group_size=G, prompts_per_step=P, max_lag=max_lag, task_seed=0))
     drain(module, max_lag)
     record = Record()

@@ -153,7 +153,7 @@ def test_the_endpoint_leaves_loopback_only_with_a_token():
         Rollout(endpoint_host="10.1.2.3").check()
     endpoint = Endpoint(["policy"], 1.0, host="127.0.0.1", token="s3cret")
     client = AgentClient(ScriptedEngine([]), Trajectory(0, 0), None, 1.0, 16)
-    endpoint.register(client, "0-0")
+    client.attach(endpoint, "0-0")
     assert client.api_key.startswith("s3cret-") and endpoint.base_url.startswith("http://127.0.0.1:")
     endpoint.sock.close()
 

@@ -25,11 +25,11 @@ FLOORS = {  # bottom up: records and pure functions, the engines, the agent side
     "agents": 4,
     "rollout": 5,
     "trainer": 6,
-    "callbacks": 7,
-    "module": 8,
-    "commands": 9,
-    "tasks": 10,  # what recipes name: agents and task streams ...
-    "models": 11,  # ... the embedded policies, warm-started on the tasks' demonstrations (with ``molt sft``)
+    "tasks": 7,  # what recipes name: agent programs and task streams ...
+    "models": 8,  # ... and the embedded policies, warm-started on the tasks' demonstrations (``trainer.sft``)
+    "callbacks": 9,
+    "module": 10,  # the loop (its default policy is an embedded one)
+    "commands": 11,
     "bench": 12,  # molt-bench runs recipes
     "": 13,  # the package's own ``__init__``: the public names
 }

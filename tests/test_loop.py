@@ -202,7 +202,7 @@ def test_hook_order_weight_sync_before_rollouts_start(tmp_path):
             events.append(("step", self.global_step, self.engine.version))
             return super().training_step(dataloader_iter)
 
-    module = Module(calculator_agent, tasks, "molt_lightning.models.tiny.arithmetic_policy", engine=TorchEngine(),
-                    rollout=Rollout(group_size=2, prompts_per_step=2, max_lag=0))
+    module = Module(calculator_agent, tasks, engine=TorchEngine(), rollout=Rollout(group_size=2, prompts_per_step=2,
+                                                                                  max_lag=0))
     fit(module, tmp_path, steps=2, callbacks=[Sync()])
     assert events == [("sync", 0, True), ("begin", 0), ("step", 0, 0), ("pushed", 1), ("step", 1, 1), ("pushed", 2)]

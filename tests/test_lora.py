@@ -21,18 +21,18 @@ from invariant import Batches, check_trained_tokens, record_generations  # noqa:
 from test_engines import generate_all, prompts  # noqa: E402,F401  (the shared prompt fixture)
 from test_loop import fit, make  # noqa: E402
 
-SPEC = lora.LoraSpec(r=8, alpha=16, target_modules="all-linear")
+from conftest import LORA  # noqa: E402  (the session's LoRA engine serves this adapter)
+
+SPEC = lora.LoraSpec(**LORA)
 
 
-@pytest.fixture(scope="module")
-def peft_lm(policy_path):
+@pytest.fixture
+def peft_lm(lora_lm):
     """The HF PeftModel every engine is checked against (and whose adapter config the engines serve)."""
-    from transformers import AutoModelForCausalLM
-
-    return lora.apply(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32), SPEC).eval()
+    return lora_lm
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def adapter(peft_lm):
     return lora.adapter_of(peft_lm)
 
@@ -86,20 +86,6 @@ def test_torch_engine_serves_the_synced_adapter(policy_path, adapter, prompts, p
         check_engine_serves_each_adapter(engine, prompts, peft_lm)
     finally:
         engine.release()
-
-
-@pytest.fixture(scope="module")
-def vllm_lora_engine(policy_path, adapter):
-    """One LoRA-enabled vLLM engine for this module (start-up 25-60 s)."""
-    pytest.importorskip("vllm")
-    from molt_lightning.engines import VLLMEngine
-
-    engine = VLLMEngine(seed=0)
-    engine.launch(policy_path, adapter)
-    with pytest.raises(RuntimeError, match="holds no adapter yet: commit one"):  # version 0 is an adapter too
-        generate_all(engine, [[1, 2, 3]], Sampling(max_tokens=2))
-    yield engine
-    engine.release()
 
 
 @pytest.mark.slow

@@ -23,13 +23,6 @@ X = moe.NO_RECORD
 
 
 @pytest.fixture(scope="module")
-def moe_path() -> str:
-    from molt_lightning.models.tiny import moe_policy
-
-    return moe_policy()
-
-
-@pytest.fixture(scope="module")
 def moe_lm(moe_path):
     from transformers import AutoModelForCausalLM
 
@@ -240,14 +233,11 @@ def test_moe_recipe_parses_and_trains(tmp_path):
 
 
 @pytest.mark.slow
-def test_vllm_engine_captures_the_routing_hf_computes_and_reloads_experts(moe_path, moe_lm):
+def test_vllm_engine_captures_the_routing_hf_computes_and_reloads_experts(vllm_moe_engine, moe_lm):
     """vLLM (CPU, eager) through the worker extension: concurrent requests' captured routing equals HF's routers on
     the full sequences; after a weight update (expert weights changed) the engine's logprobs follow the new weights
     (the CPU MoE kernel's packing is re-run after a reload)."""
-    from molt_lightning.engines import VLLMEngine
-
-    engine = VLLMEngine(seed=0, capture_routing=True)
-    engine.launch(moe_path)
+    engine = vllm_moe_engine
     try:
         outs = generate_all(engine, PROMPTS * 2)
         for prompt, out in zip(PROMPTS * 2, outs):
@@ -256,8 +246,8 @@ def test_vllm_engine_captures_the_routing_hf_computes_and_reloads_experts(moe_pa
         new = {k: v * 1.5 if ".experts." in k else v for k, v in moe_lm.named_parameters()}
         engine.call(engine.update_weights(new, version=1))
         [out] = generate_all(engine, PROMPTS[:1])
-    finally:
-        engine.release()
+    finally:  # the session's engine goes back
+        engine.call(engine.update_weights({k: v.detach() for k, v in moe_lm.named_parameters()}, version=0))
     lm = type(moe_lm)(moe_lm.config).eval()
     lm.load_state_dict({k: v.detach() for k, v in new.items()}, strict=False)
     lm.tie_weights()

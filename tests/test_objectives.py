@@ -15,7 +15,6 @@ from molt_lightning.algorithms.advantages import AdvantageInputs, distill, turn_
 from molt_lightning.algorithms.losses import binary_kl
 from molt_lightning.trajectory import ConsistencyError, Kind, Outcomes, Span, Status, Trajectory, collate
 
-TINY = "molt_lightning.models.tiny.arithmetic_policy"
 FLASH = Algorithm(advantage="flash_reinforce", loss="flash_reinforce", aggregation="seq_mean_token_mean",
                   is_form="bypass", is_mode="none", binary_kl_delta=3e-3)
 
@@ -254,9 +253,9 @@ def test_distillation_needs_a_teacher_and_a_coefficient():
     from molt_lightning.tasks import arithmetic
 
     with pytest.raises(ValueError, match="model.teacher"):
-        AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, TINY, algo=Algorithm(distill_coef=1.0))
+        AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, algo=Algorithm(distill_coef=1.0))
     with pytest.raises(ValueError, match="distill_coef"):
-        AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, TINY, teacher=TINY)
+        AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, teacher="molt_lightning.models.tiny.arithmetic_policy")
 
 
 def test_per_turn_lists_of_the_wrong_shape_fail_the_run_with_the_reason():

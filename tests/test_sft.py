@@ -20,7 +20,8 @@ import torch
 
 from molt_lightning.agents.chat import ChatTemplate
 from molt_lightning.agents.client import AgentClient
-from molt_lightning.commands.sft import collate, conversations, render, reply_text, sft_loss
+from molt_lightning.commands.sft import conversations
+from molt_lightning.trainer.sft import collate, render, reply_text, sft_loss
 from molt_lightning.trajectory import Kind, Trajectory
 from scripted import ScriptedEngine
 

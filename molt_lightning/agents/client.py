@@ -102,6 +102,15 @@ class AgentClient:
             kind = Kind.ENV if self.trajectory.segments[-1] else Kind.PROMPT
             self.trajectory.segments[-1].append(Span.context(kind, token_ids, images))
 
+    def attach(self, endpoint, label: str) -> None:
+        """Serve this client's trajectory on ``endpoint`` (``wire.endpoint.Endpoint``) under a key of its own until
+        ``detach`` (``AgentSessions`` does it for every agent run)."""
+        self.endpoint, self.api_key = endpoint, endpoint.register(self, label)
+
+    def detach(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.unregister(self.api_key)
+
     @property
     def handles_tools(self) -> bool:
         return self.template is not None and self.template.handles_tools

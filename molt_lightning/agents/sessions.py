@@ -53,10 +53,8 @@ class AgentSessions:
         client = AgentClient(self.engine, trajectory, self.template, temperature, self.max_context, seed=seed,
                              counter=counter)
         if self.endpoint is not None:
-            client.endpoint = self.endpoint
-            client.api_key = self.endpoint.register(client, f"{trajectory.sample_id}-{trajectory.member}")
+            client.attach(self.endpoint, f"{trajectory.sample_id}-{trajectory.member}")
         try:
             yield client
         finally:
-            if self.endpoint is not None:
-                self.endpoint.unregister(client.api_key)
+            client.detach()

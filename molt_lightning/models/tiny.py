@@ -220,7 +220,7 @@ def tool_route_success(model, template, pad_id: int, n: int = 256, seed: int = 1
     out: it is what RL is meant to change."""
     import torch
 
-    from ..commands.sft import collate, render
+    from ..trainer.sft import collate, render
     from ..tasks import arithmetic
 
     task = task or arithmetic
@@ -239,7 +239,7 @@ def tool_route_success(model, template, pad_id: int, n: int = 256, seed: int = 1
 
 def cosine(i: int, n: int, peak: float) -> float:
     """The warm start's learning rate at step ``i`` of ``n``: linear warm-up over 10%, then cosine decay to 0."""
-    from ..commands.sft import warmup_cosine
+    from ..trainer.sft import warmup_cosine
 
     return peak * warmup_cosine(i, n, max(1, n // 10))
 
@@ -306,7 +306,7 @@ def demonstration_step(model, opt, template, pad: int, task, rng: random.Random,
     their rollouts (``sft.render``), transformers' loss (``sft.sft_loss``'s value), the gradient clipped to norm 1."""
     import torch
 
-    from ..commands.sft import collate, render
+    from ..trainer.sft import collate, render
 
     for group in opt.param_groups:
         group["lr"] = lr

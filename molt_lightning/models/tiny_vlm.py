@@ -80,7 +80,7 @@ def sft_example(template, dialogue: list[dict]):
 def _inputs(template, dialogues: list[list[dict]], pad: int):
     import torch
 
-    from ..commands.sft import collate
+    from ..trainer.sft import collate
 
     examples = [sft_example(template, d) for d in dialogues]
     ids, labels, _ = collate([e for e, _ in examples], pad)  # (B, T), (B, T)

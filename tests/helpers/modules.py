@@ -22,7 +22,6 @@ def make_module(engine=None, **kw) -> AsyncRLModule:
             kw[key] = cls(**mine)
     kw.setdefault("agent", arithmetic.calculator_agent)
     kw.setdefault("tasks", arithmetic.tasks)
-    kw.setdefault("policy", "molt_lightning.models.tiny.arithmetic_policy")
     return AsyncRLModule(engine=engine, **kw)
 
 

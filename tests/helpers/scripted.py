@@ -44,7 +44,7 @@ def run_at_endpoint(template, replies, run, *, counter=None, max_context: int = 
         endpoint = Endpoint(["policy"], temperature=1.0)
         await endpoint.start()
         client = AgentClient(engine, Trajectory(0, 0), template, 1.0, max_context, counter=counter)
-        endpoint.register(client, "0-0")
+        client.attach(endpoint, "0-0")
         try:
             return await run(client), client
         except Exception as e:

@@ -41,6 +41,7 @@ class VLLMPhases(RolloutEngine):
         self.staging = Staging(self.weight_dir, copies)
         self.direct = False  # the worker loads straight into vLLM's CPU kernels (answered at open)
         self.ahead = None  # cpu.PackAhead, where the direct load is on and packing ahead was asked for
+        self.loaded: list = []  # the workers' answers to the last load of slabs (tensors, packed_ahead, via)
         self._staged: list[Payload] = []
 
     # ----- the transport: what each engine writes -----
@@ -63,8 +64,10 @@ class VLLMPhases(RolloutEngine):
 
     # ----- the phases -----
     async def _open_weights(self, direct: bool, load_ahead: bool, timeout: float | None = None) -> None:
-        """Ask the workers once whether the CPU platform's direct load applies (``direct``: wanted)."""
+        """Ask the workers once whether the CPU platform's direct load applies (``direct``: wanted; False is the path
+        every other platform takes, which the tests run on the CPU too)."""
         self.direct = all((await self._rpc("molt_open", direct, timeout=timeout)))
+        self.ahead = None
         if self.direct and load_ahead:
             from .cpu import PackAhead
 
@@ -92,9 +95,9 @@ class VLLMPhases(RolloutEngine):
         if self.ahead is not None:
             await self.ahead.settle()
         if slabs := [data.to_wire() for kind, data in payloads if kind == "shm"]:
-            results = await self._rpc("molt_load_slabs", slabs, self.staging.paths, token)
+            self.loaded = await self._rpc("molt_load_slabs", slabs, self.staging.paths, token)
             if self.ahead is not None:
-                self.ahead.loaded(results)
+                self.ahead.loaded(self.loaded)
 
     async def tag(self, version: int) -> None:
         await self._reset_cache()

@@ -52,8 +52,8 @@ class MoltWorkerExtension:
 
     def molt_load_slabs(self, slabs: list, live: list[str] | None = None, token: str | None = None) -> dict:
         """Load staged buckets from shared memory (``shm`` slabs; ``live``: every slab the trainer still has, the
-        others are unmapped) into the served model. Returns how many tensors were loaded and how many kernels were
-        swapped in packed ahead for sync ``token`` (CPU platform)."""
+        others are unmapped) into the served model. Returns how many tensors were loaded, how many kernels were
+        swapped in packed ahead for sync ``token`` (CPU platform) and the path they took (``via``)."""
         from . import shm
 
         slabs = [shm.Slab.from_wire(s) for s in slabs]
@@ -80,8 +80,8 @@ class MoltWorkerExtension:
 
             packed_ahead = cpu.load(self.model_runner.get_model(), tensors, prepacked)
             if packed_ahead is not None:
-                return {"tensors": len(tensors), "packed_ahead": packed_ahead}
-        return {"tensors": self._molt_reload(tensors.items()), "packed_ahead": 0}
+                return {"tensors": len(tensors), "packed_ahead": packed_ahead, "via": "cpu.load"}
+        return {"tensors": self._molt_reload(tensors.items()), "packed_ahead": 0, "via": "reload_weights"}
 
     def _molt_reload(self, named) -> int:
         """vLLM's ``reload_weights`` over (HF name, tensor) pairs (then, on the CPU platform, the repacks it misses)."""
