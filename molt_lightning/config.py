@@ -7,8 +7,9 @@ algorithm's record, ``lora.LoraSpec`` the adapter's); a recipe nests their field
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -96,6 +97,24 @@ def check_host(host: str, token: str | None) -> None:
         raise ValueError(f"binding the endpoint to {host} exposes the policy beyond this machine's loopback: set "
                          "model.rollout.endpoint_token to a secret too (every session key then carries it), or "
                          "keep endpoint_host at 127.0.0.1")
+
+
+class NotImported(ValueError):
+    """A dotted path that does not import; ``reason`` is why (the import's own error)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def imported(path: str, what: str, fix: str = "") -> Any:
+    """The object at the dotted ``path`` (``pkg.module.name``, or ``pkg.module:name``) a recipe names; else
+    ``NotImported`` saying "<what> '<path>' does not import (<why>)[: <fix>]". Every dotted path is imported here."""
+    module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError, TypeError) as e:
+        raise NotImported(f"{what} {path!r} does not import ({e})" + (f": {fix}" if fix else ""), str(e)) from None
 
 
 def record(cls, value):

@@ -144,10 +144,8 @@ class AsyncRLModule(L.LightningModule):
     # ----- the engine and the rollout side (rank 0 owns both: see trainer.parallel) -----
     def train_dataloader(self) -> _BatchStream:
         if not self._started and self.global_rank == 0:
-            text = self.policy.lm.config.get_text_config()  # a VLM's language model sets the context length
-            self.sessions = AgentSessions(self.engine, self.policy_path, self.tokenizer, self.rollout.temperature,
-                                          self.rollout.max_context or text.max_position_embeddings,
-                                          self.rollout.endpoint_host, self.rollout.endpoint_token)
+            self.sessions = AgentSessions.for_run(self.engine, self.policy_path, self.tokenizer, self.rollout,
+                                                  self.policy.lm.config)
             self.engine.launch(self.policy_path, lora_.adapter_of(self.policy.lm))
             self._started = True
             check_vocab(self.policy.lm.config, self.tokenizer, self.engine)

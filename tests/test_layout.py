@@ -18,20 +18,21 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "molt_lightning"
 FLOORS = {  # bottom up: records and pure functions, the engines, the agent side, the rollout side, the trainer ...
-    "config": 0, "algorithms": 0, "policies": 0, "engines.fingerprint": 0,
-    "trajectory": 1,
-    "engines": 2,
-    "data": 3,
-    "agents": 4,
-    "rollout": 5,
-    "trainer": 6,
-    "tasks": 7,  # what recipes name: agent programs and task streams ...
-    "models": 8,  # ... and the embedded policies, warm-started on the tasks' demonstrations (``trainer.sft``)
-    "callbacks": 9,
-    "module": 10,  # the loop (its default policy is an embedded one)
-    "commands": 11,
-    "bench": 12,  # molt-bench runs recipes
-    "": 13,  # the package's own ``__init__``: the public names
+    "config": 0,
+    "algorithms": 1, "policies": 1, "engines.fingerprint": 1,
+    "trajectory": 2,
+    "engines": 3,
+    "data": 4,
+    "agents": 5,
+    "rollout": 6,
+    "trainer": 7,
+    "tasks": 8,  # what recipes name: agent programs and task streams ...
+    "models": 9,  # ... and the embedded policies, warm-started on the tasks' demonstrations (``trainer.sft``)
+    "callbacks": 10,
+    "module": 11,  # the loop (its default policy is an embedded one)
+    "commands": 12,
+    "bench": 13,  # molt-bench runs recipes
+    "": 14,  # the package's own ``__init__``: the public names
 }
 DOTTED = re.compile(r"^molt_lightning(\.\w+)+$")
 
@@ -140,8 +141,8 @@ def test_the_rule_sees_every_kind_of_import(tmp_path):
                "molt_lightning.engines.vllm.worker", "molt_lightning.x"}
     assert imports(fake, modules, tmp_path) == {"molt_lightning.module": 3, "molt_lightning.agents.client": 5,
                                                 "molt_lightning.engines.vllm.worker": 6}
-    assert floor("molt_lightning.engines.fingerprint") == (0, "engines")
-    assert floor("molt_lightning.engines.vllm.cpu") == (2, "engines")
+    assert floor("molt_lightning.engines.fingerprint") == (1, "engines")
+    assert floor("molt_lightning.engines.vllm.cpu") == (3, "engines")
 
 
 def test_file_sizes_and_the_modules_arguments():

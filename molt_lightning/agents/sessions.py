@@ -36,6 +36,14 @@ class AgentSessions:
             self.endpoint = Endpoint(["policy", os.path.basename(model_path.rstrip("/")), model_path], temperature,
                                      host, token)
 
+    @classmethod
+    def for_run(cls, engine: RolloutEngine, model_path: str, tokenizer, rollout, config) -> AgentSessions:
+        """The sessions of a run with the ``rollout`` record's settings (``config.Rollout``); the context is its
+        ``max_context`` or the policy's own (``config``: the policy's Hugging Face config)."""
+        context = rollout.max_context or config.get_text_config().max_position_embeddings  # a VLM: its LM's
+        return cls(engine, model_path, tokenizer, rollout.temperature, context, rollout.endpoint_host,
+                   rollout.endpoint_token)
+
     def start(self) -> None:
         if self.endpoint is not None:
             self.engine.call(self.endpoint.start(), timeout=60)

@@ -22,7 +22,6 @@ Lightning ``MisconfigurationException`` from a constructor (sizes, ranges, names
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
 import re
 import sys
@@ -30,6 +29,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from lightning.pytorch.cli import LightningArgumentParser
+
+from ..config import imported
 
 EXAMPLES = {  # what a parser key takes, for the fix line of its errors
     "model.agent": "the dotted path of an `async def agent(client, sample) -> reward`, importable where molt runs "
@@ -105,8 +106,8 @@ def fix_for(message: str, parser) -> str | None:
 
 def _init_arg_fix(class_path: str, arg: str) -> str:
     """The fix for an init_args key the class does not take: the close ones it does."""
-    module, _, name = class_path.rpartition(".")
-    params = list(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
+    name = class_path.rpartition(".")[2]
+    params = list(inspect.signature(imported(class_path, "class_path")).parameters)
     close = difflib.get_close_matches(arg, params, n=2, cutoff=0.7)
     guess = f"did you mean {' or '.join(f'init_args.{c}' for c in close)}? " if close else ""
     return f"{guess}{name} takes {', '.join(params)}"
@@ -349,21 +350,21 @@ def evaluate_policy(module, evaluate) -> tuple[list, float]:
         raise ValueError(f"molt eval: {module.hparams.policy} is a LoRA adapter folder: export with --merge (or pass "
                          "--ckpt)")
     path = policy_folder(module.hparams.policy)
-    tokenizer, rollout = AutoTokenizer.from_pretrained(path), module.rollout
-    max_context = rollout.max_context or AutoConfig.from_pretrained(path).get_text_config().max_position_embeddings
+    rollout = module.rollout
     evaluate.select(module.source.tasks, fitting=False)
-    clients = AgentSessions(module.engine, path, tokenizer, rollout.temperature, max_context)
+    sessions = AgentSessions.for_run(module.engine, path, AutoTokenizer.from_pretrained(path), rollout,
+                                     AutoConfig.from_pretrained(path))
     temperature = rollout.temperature if evaluate.temperature is None else evaluate.temperature
     module.engine.launch(path)
     try:
-        clients.start()
+        sessions.start()
         t0 = time.perf_counter()
         outcomes = module.engine.call(run_round(
-            evaluate.samples, evaluate.agent or module.source.agent, clients, k=evaluate.k, temperature=temperature,
+            evaluate.samples, evaluate.agent or module.source.agent, sessions, k=evaluate.k, temperature=temperature,
             success=evaluate.success, seed=evaluate.seed, concurrency=evaluate.concurrency,
             timeout_s=rollout.agent_timeout_s), timeout=None)
         seconds = time.perf_counter() - t0
-        clients.stop()
+        sessions.stop()
     finally:
         module.engine.release()
     return outcomes, seconds

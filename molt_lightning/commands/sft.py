@@ -36,6 +36,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from ..config import imported
 from ..trainer import lightning_compat, parallel
 from ..policies import load_lm
 from ..trainer.policy import Policy, policy_folder, trainable_lm
@@ -128,14 +129,7 @@ def data_file(spec: str) -> str:
     """A data file: ``spec`` itself, or what the function at the dotted path ``spec`` returns (e.g. a writer)."""
     if os.path.exists(spec) or "/" in spec or spec.endswith((".jsonl", ".json", ".parquet", ".arrow")):
         return spec  # a missing file is named by the reader
-    import importlib
-
-    module, _, name = spec.rpartition(".")
-    try:
-        return str(getattr(importlib.import_module(module), name)())
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"data file {spec!r}: no such file, nor the dotted path of a function returning one ({e})") \
-            from None
+    return str(imported(spec, "data file", "no such file, nor the dotted path of a function returning one")())
 
 
 class SFTData(L.LightningDataModule):

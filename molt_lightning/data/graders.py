@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable
 
+from ..config import NotImported, imported
+
 BUILTIN = ("exact", "last_number", "math", "reasoning_gym")
 INLINE = ("exact", "last_number", "regex")  # cheap and safe: no process hop
 DEFAULT_TIMEOUT_S = 10.0
@@ -158,13 +160,10 @@ def resolve(spec: str) -> Callable[[str, dict], Verdict | float | tuple]:
             raise ValueError(f"verifier {spec!r} needs the {package.replace('_', '-')} package: "
                              "pip install 'molt-lightning[data]'")
         return {"math": _math, "reasoning_gym": _reasoning_gym}[spec]
-    module, _, name = spec.rpartition(".")
     try:
-        fn = getattr(importlib.import_module(module), name) if module else None
-    except (ImportError, AttributeError) as e:
-        fn, why = None, f" ({e})"
-    else:
-        why = ""
+        fn, why = imported(spec, "verifier"), ""
+    except NotImported as e:
+        fn, why = None, f" ({e.reason})"
     if not callable(fn):
         raise ValueError(f"verifier {spec!r} is not one of {', '.join(BUILTIN)}, regex:PATTERN, or an importable "
                          f"function{why}: name a built-in or the dotted path of fn(reply, sample) -> score")

@@ -33,7 +33,6 @@ A recipe names its sources under ``model.tasks``::
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from collections.abc import Iterator
@@ -42,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from ..config import imported
 from .graders import resolve
 
 RESERVED = ("messages", "answer", "verifier", "source", "row", "tools")
@@ -186,11 +186,7 @@ def _read(source: Source) -> list[dict]:
             raise ValueError(f"data source reasoning_gym:{source.reasoning_gym}: {type(e).__name__}: {e}") from None
         return [dict(entry) for entry in data]
     if source.generator:
-        module, _, name = source.generator.rpartition(".")
-        try:
-            fn = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ValueError(f"data source generator {source.generator!r} does not import ({e})") from None
+        fn = imported(source.generator, "data source generator")
         return [dict(r) for r in fn(seed=source.seed, size=source.size, **source.config)]
     return read_file(source.path, source.split)
 

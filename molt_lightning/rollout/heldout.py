@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..agents.client import AgentResult
 from ..agents.sessions import AgentSessions
 from ..trajectory import Trajectory
 
@@ -116,11 +115,11 @@ def per_prompt_rewards(outcomes: list[Outcome]) -> dict[str, list[float]]:
     return {s: [float(np.mean(p[i])) for i in sorted(p)] for s, p in runs.items()}
 
 
-async def run_round(samples: list[dict], agent: Callable, clients: AgentSessions, *, k: int, temperature: float,
+async def run_round(samples: list[dict], agent: Callable, sessions: AgentSessions, *, k: int, temperature: float,
                     success: float = 1.0, seed: int = 0, concurrency: int = 64, timeout_s: float = 300.0,
                     ) -> list[Outcome]:
-    """``k`` runs of ``agent`` per sample on ``clients``' engine; run on the engine's loop."""
-    from .source import request_seed  # the same per-request seeding as training, from the evaluation's own seed
+    """``k`` runs of ``agent`` per sample on ``sessions``' engine; run on the engine's loop."""
+    from .source import request_seed, run_agent  # the same runs and seeding as training, from its own seed
 
     gate = asyncio.Semaphore(concurrency)
 
@@ -129,19 +128,12 @@ async def run_round(samples: list[dict], agent: Callable, clients: AgentSessions
         # a negative group of its own per prompt: an engine pool routes each (prompt, run) by it, never with training
         traj = Trajectory(sample_id=i, group_id=-1 - i, member=f"eval{member}", sample=sample)
         async with gate:
-            async with clients.client(traj, request_seed(seed, i, member), None, temperature=temperature) as client:
-                try:
-                    result = await asyncio.wait_for(agent(client, sample), timeout_s)
-                    reward = float(result.reward if isinstance(result, AgentResult) else result)
-                    if not math.isfinite(reward):
-                        raise ValueError(f"non-finite reward {reward}")
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # noqa: BLE001 (an evaluation run that fails scores 0, counted)
-                    return Outcome(source, i, 0.0, False, failed=f"{type(e).__name__}: {e}",
-                                   versions=_versions(traj))
-        answer = result.info.get("answer") if isinstance(result, AgentResult) else None
-        return Outcome(source, i, reward, reward >= success, None if answer is None else str(answer),
+            why = await run_agent(agent, sessions, traj, request_seed(seed, i, member), timeout_s,
+                                  temperature=temperature)
+        if why is not None:  # an evaluation run that fails scores 0, counted
+            return Outcome(source, i, 0.0, False, failed=why, versions=_versions(traj))
+        answer = traj.info.get("answer")
+        return Outcome(source, i, traj.reward, traj.reward >= success, None if answer is None else str(answer),
                        versions=_versions(traj))
 
     return list(await asyncio.gather(*[one(i, s, m) for i, s in enumerate(samples) for m in range(k)]))

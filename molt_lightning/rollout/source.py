@@ -302,30 +302,9 @@ class RolloutSource:
 
     async def _run_agent(self, prompt: int, order: int, index: int, sample: dict) -> Trajectory:
         traj = Trajectory(sample_id=prompt, group_id=order, member=index, sample=sample)
-        timeout = self.rollout.agent_timeout_s
-        async with self.sessions.client(traj, request_seed(self.rollout.task_seed, prompt, index),
-                                       self._count_agent_event) as client:
-            try:
-                result = await asyncio.wait_for(self.agent(client, sample), timeout)
-            except asyncio.TimeoutError:
-                return self._failed(traj, f"timed out after {timeout}s")
-            except Exception as e:
-                return self._failed(traj, f"agent raised {type(e).__name__}: {e}")
-        reward = result.reward if isinstance(result, AgentResult) else result
-        try:
-            traj.reward = float(reward)
-        except (TypeError, ValueError):
-            return self._failed(traj, f"agent returned {reward!r}, not a float or AgentResult")
-        if not math.isfinite(traj.reward):
-            return self._failed(traj, f"non-finite reward {traj.reward}")
-        if isinstance(result, AgentResult):
-            traj.info.update(result.info)
-            problem = _check_turns(result, traj.turns)
-            if problem:
-                return self._failed(traj, problem)
-            traj.turn_rewards = None if result.turn_rewards is None else [float(r) for r in result.turn_rewards]
-            traj.turn_keys = None if result.turn_keys is None else list(result.turn_keys)
-        return traj
+        why = await run_agent(self.agent, self.sessions, traj, request_seed(self.rollout.task_seed, prompt, index),
+                              self.rollout.agent_timeout_s, self._count_agent_event)
+        return traj if why is None else self._failed(traj, why)
 
     def _failed(self, traj: Trajectory, reason: str) -> Trajectory:
         kind = _kind(reason)
@@ -335,6 +314,35 @@ class RolloutSource:
             log.warning("sample %d failed and will not be trained on (%d so far of this kind): %s",
                         traj.sample_id, n, reason)
         return traj.fail(reason)
+
+
+async def run_agent(agent: Callable, sessions: AgentSessions, traj: Trajectory, seed: int, timeout_s: float,
+                    counter: Callable[[str, int], None] | None = None, temperature: float | None = None) -> str | None:
+    """Run ``agent`` once on ``traj.sample`` (training's runs and held-out ones alike): its reward, info and per-turn
+    lists land on ``traj``; returns why the run failed (it raised, timed out, returned no float or a non-finite one,
+    or per-turn lists of the wrong shape), or None."""
+    async with sessions.client(traj, seed, counter, temperature) as client:
+        try:
+            result = await asyncio.wait_for(agent(client, traj.sample), timeout_s)
+        except asyncio.TimeoutError:
+            return f"timed out after {timeout_s}s"
+        except Exception as e:
+            return f"agent raised {type(e).__name__}: {e}"
+    reward = result.reward if isinstance(result, AgentResult) else result
+    try:
+        traj.reward = float(reward)
+    except (TypeError, ValueError):
+        return f"agent returned {reward!r}, not a float or AgentResult"
+    if not math.isfinite(traj.reward):
+        return f"non-finite reward {traj.reward}"
+    if isinstance(result, AgentResult):
+        traj.info.update(result.info)
+        problem = _check_turns(result, traj.turns)
+        if problem:
+            return problem
+        traj.turn_rewards = None if result.turn_rewards is None else [float(r) for r in result.turn_rewards]
+        traj.turn_keys = None if result.turn_keys is None else list(result.turn_keys)
+    return None
 
 
 def _check_turns(result: AgentResult, turns: int) -> str | None:

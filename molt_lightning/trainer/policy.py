@@ -37,7 +37,6 @@ Before any of it, ``policy_folder`` resolves ``model.policy`` (a folder, or a fu
 
 from __future__ import annotations
 
-import importlib
 import os
 from dataclasses import dataclass
 
@@ -45,6 +44,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..config import imported
 from ..policies import moe
 from . import prefix
 from ..policies.vision import BatchImages
@@ -206,11 +206,7 @@ def policy_folder(policy: str) -> str:
         if "/" in policy or policy.startswith(("~", ".")) or "." not in policy:
             raise ValueError(f"model.policy {policy!r}: no such folder (a hub id is not fetched: download it to a "
                              f"folder first): {what}")
-        module, _, attr = policy.rpartition(".")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ValueError(f"model.policy {policy!r} does not import ({e}): {what}") from None
+        fn = imported(policy, "model.policy", what)
         if not callable(fn):
             raise ValueError(f"model.policy {policy!r} is a {type(fn).__name__}, not a function: {what}")
         folder = fn()

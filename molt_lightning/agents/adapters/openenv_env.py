@@ -28,7 +28,6 @@ field, else its fields (all but ``done``/``reward``/``metadata``) as JSON.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import math
 import random
@@ -36,6 +35,7 @@ from collections.abc import Callable
 from typing import Any, get_args, get_origin
 from urllib.parse import urlsplit
 
+from ...config import imported
 from ..client import AgentResult
 
 __all__ = ["OpenEnvAgent", "render", "seeds"]
@@ -50,10 +50,7 @@ def seeds(seed: int = 0):
 
 def _resolve(spec: Any) -> Any:
     """An object given as itself or as ``pkg.module:Name`` / ``pkg.module.Name``."""
-    if not isinstance(spec, str):
-        return spec
-    module, sep, name = spec.partition(":") if ":" in spec else spec.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+    return imported(spec, "OpenEnvAgent's") if isinstance(spec, str) else spec
 
 
 def _fields(obs: Any) -> dict[str, Any]:

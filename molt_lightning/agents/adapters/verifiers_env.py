@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import logging
 import os
@@ -56,6 +55,7 @@ import types
 import weakref
 from typing import Any
 
+from ...config import imported
 from ..client import AgentResult
 
 log = logging.getLogger(__name__)
@@ -106,8 +106,8 @@ def _taskset_id(environment: str) -> str:
     """A taskset id verifiers can import: the id itself, or for ``pkg.module:Class`` an alias module exporting it."""
     if ":" not in environment:
         return environment
-    module, _, name = environment.partition(":")
-    cls = getattr(importlib.import_module(module), name)
+    name = environment.partition(":")[2]
+    cls = imported(environment, "the verifiers taskset")
     alias = "_molt_vf_" + re.sub(r"\W", "_", environment).lower()
     if alias not in sys.modules:
         shim = types.ModuleType(alias, f"the taskset {environment}")
