@@ -354,10 +354,10 @@ def test_remote_engine_verifies_over_http_and_names_its_server(remote_engine, po
         flow.settle()
         assert flow.verified
 
-        async def never_posted(payload, token=None):
+        async def never_posted(payloads, token=None):
             pass
 
-        monkeypatch.setattr(remote_engine, "_load", never_posted)
+        monkeypatch.setattr(remote_engine, "_deliver", never_posted)
         flow = push(remote_engine, changed(policy_weights, seed=3), 9)
         with pytest.raises(WeightMismatch, match=rf"the engine at {remote_engine.url} does not serve the weights of "
                                                  r"version 9"):

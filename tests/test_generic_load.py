@@ -181,27 +181,31 @@ def engine_matches(engine, lm, version):
         assert torch.allclose(torch.tensor(out.logprobs, dtype=torch.float64), ref, atol=1e-4)
 
 
-def hf_with(path, state):
+def trainer_weights(path) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The policy as the trainer holds it, and its parameters by the names a sync sends (a MoE layer's experts fused,
+    as transformers 5 holds them: the worker splits them per expert for vLLM's loader)."""
     from transformers import AutoModelForCausalLM
 
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    lm.load_state_dict(state, strict=False)
+    return lm, {k: v.detach().clone() for k, v in lm.named_parameters()}
+
+
+def with_weights(lm, state):
+    lm.load_state_dict(state, strict=False)  # every parameter (tied ones are one)
     lm.tie_weights()
     return lm
 
 
 @pytest.mark.slow
 def test_dense_policy_on_the_generic_load(vllm_engine, policy_path):
-    from safetensors.torch import load_file
-
-    base = load_file(f"{policy_path}/model.safetensors")
+    lm, base = trainer_weights(policy_path)
     new = changed(base, seed=11)
     try:
         with generic_load(vllm_engine):
             flow = push(vllm_engine, new, 3)
             assert flow.verified  # every tensor read back, through its kernel
             assert {r["via"] for r in vllm_engine.loaded} == {"reload_weights"}
-            engine_matches(vllm_engine, hf_with(policy_path, new), 3)
+            engine_matches(vllm_engine, with_weights(lm, new), 3)
     finally:
         vllm_engine.call(vllm_engine.update_weights(base, 0))
 
@@ -210,16 +214,14 @@ def test_dense_policy_on_the_generic_load(vllm_engine, policy_path):
 def test_moe_policy_on_the_generic_load(vllm_moe_engine, moe_path):
     """The experts' new weights are used (the CPU kernel repacked after ``reload_weights``); they are not read back
     (repacked in place), every other tensor verifies."""
-    from safetensors.torch import load_file
-
-    base = load_file(f"{moe_path}/model.safetensors")
+    lm, base = trainer_weights(moe_path)
     new = changed(base, seed=12, scale=0.05)
     try:
         with generic_load(vllm_moe_engine):
             flow = push(vllm_moe_engine, new, 4)  # no WeightMismatch: what is read back matches
             assert not flow.verified  # the experts are not read back
             assert {r["via"] for r in vllm_moe_engine.loaded} == {"reload_weights"}
-            engine_matches(vllm_moe_engine, hf_with(moe_path, new), 4)
+            engine_matches(vllm_moe_engine, with_weights(lm, new), 4)
     finally:
         vllm_moe_engine.call(vllm_moe_engine.update_weights(base, 0))
 
