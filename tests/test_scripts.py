@@ -250,3 +250,11 @@ def test_engine_core_failure_lists_the_causes(policy_path, monkeypatch):
     with pytest.raises(RuntimeError) as info:
         asyncio.run(VLLMEngine().open(policy_path))
     assert info.value is other
+
+
+def test_the_gpu_check_refuses_a_machine_without_cuda_by_name():
+    """``scripts/gpu_check.sh`` (run by hand on a CUDA machine) stops at once here, saying why; its Python part is
+    ``benchmarks/gpu_step.py``, whose torch and vLLM rows ran on this CPU (``--device cpu``) when it was written."""
+    out = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode != 0 and "gpu_check: no CUDA device visible to torch" in out.stderr
