@@ -56,6 +56,8 @@ if not any(isinstance(f, _Moved) for f in sys.meta_path):
 
 
 def __getattr__(name: str):
+    if f"{__name__}.{name}" in MOVED:  # ``molt_lightning.envs.EnvAgent`` resolved attribute by attribute
+        raise AttributeError(f"{__name__}.{name} moved to {MOVED[f'{__name__}.{name}']}: name it so")
     if name not in _HOME:
         raise AttributeError(f"module 'molt_lightning' has no attribute {name!r}")
     return getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)

@@ -13,8 +13,13 @@ A failure names the file and line of each import that breaks a rule.
 from __future__ import annotations
 
 import ast
+import importlib
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "molt_lightning"
 FLOORS = {  # bottom up: records and pure functions, the engines, the agent side, the rollout side, the trainer ...
@@ -143,6 +148,29 @@ def test_the_rule_sees_every_kind_of_import(tmp_path):
                                                 "molt_lightning.engines.vllm.worker": 6}
     assert floor("molt_lightning.engines.fingerprint") == (1, "engines")
     assert floor("molt_lightning.engines.vllm.cpu") == (3, "engines")
+
+
+def test_a_moved_module_names_its_new_place(tmp_path):
+    """Old import paths (before the folders) fail with the new one; recipes name the new ones."""
+    import molt_lightning
+
+    for old, new in [("molt_lightning.client", "molt_lightning.agents.client"),
+                     ("molt_lightning.engines.vllm_worker", "molt_lightning.engines.vllm.worker")]:
+        with pytest.raises(ModuleNotFoundError, match=f"{old} moved to {new}"):
+            importlib.import_module(old)
+        importlib.import_module(new)
+    with pytest.raises(AttributeError, match="molt_lightning.envs moved to molt_lightning.agents.env"):
+        molt_lightning.envs  # noqa: B018 (how jsonargparse resolves a class_path)
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("model:\n  agent: {class_path: molt_lightning.envs.EnvAgent}\n"
+                      "  tasks: molt_lightning.tasks.arithmetic.tasks\n")
+    out = subprocess.run([sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config", str(recipe),
+                          "--print_config"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "molt_lightning.envs moved to molt_lightning.agents.env" in out.stderr
+    moved = set(molt_lightning.MOVED)
+    used = {m for p in (PACKAGE.parent / "recipes").rglob("*.yaml") for m in re.findall(r"molt_lightning[\w.]+",
+                                                                                         p.read_text())}
+    assert not {u for u in used if any(u == m or u.startswith(m + ".") for m in moved)}, "recipes name moved paths"
 
 
 def test_file_sizes_and_the_modules_arguments():
