@@ -69,7 +69,8 @@ def main() -> None:
     for seed in seeds(args.seeds):
         name = f"{args.tag}-{seed}"
         t0 = time.time()
-        out = subprocess.run([sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/default.yaml",
+        out = subprocess.run([sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config",
+                              "recipes/default.yaml",
                               "--seed_everything", str(seed), "--model.engine.init_args.seed", str(seed),
                               "--trainer.logger.init_args.name", name, *extra],
                              cwd=ROOT, env=env, capture_output=True, text=True)

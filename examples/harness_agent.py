@@ -1,5 +1,5 @@
-"""A harness as its own program: the python-tool agent, written against a stock client, run by ``molt_lightning.agents.harness.
-Harness`` once per agent run (``recipes/harness.yaml``).
+"""A harness as its own program: the python-tool agent, written against a stock client, run by
+``molt_lightning.agents.harness.Harness`` once per agent run (``recipes/harness.yaml``).
 
 It knows nothing of molt-lightning's API: the stock clients read their endpoint and key from the environment the
 Harness sets (``OPENAI_BASE_URL``/``OPENAI_API_KEY`` or ``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY``), the task comes

@@ -1,7 +1,8 @@
 """Check once that vLLM serves the tiny MoE policy (``models.tiny.moe_policy``): it loads with ``enforce_eager`` in
 float32 on the CPU, and its greedy continuations equal HF's. About 30 s (vLLM start-up). Usage:
 ``HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 python scripts/check_moe_vllm.py``. Not a test: the suite's vLLM tests
-share one engine of the dense policy, and routing capture in vLLM is not done (see ``molt_lightning/policies/moe.py``)."""
+share one engine of the dense policy, and routing capture in vLLM is not done (see
+``molt_lightning/policies/moe.py``)."""
 
 from __future__ import annotations
 

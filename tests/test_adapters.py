@@ -1,5 +1,5 @@
-"""Environments of other libraries run unchanged (``molt_lightning.agents.adapters``): a verifiers single-turn taskset, a
-verifiers taskset with an MCP tool and an OpenEnv MCP environment each train on the tiny python-tool policy with the
+"""Environments of other libraries run unchanged (``molt_lightning.agents.adapters``): a verifiers single-turn taskset,
+a verifiers taskset with an MCP tool and an OpenEnv MCP environment each train on the tiny python-tool policy with the
 torch engine, every trained token the engine's; their own scorers give the rewards (checked against hand-computed
 values on scripted replies); an environment whose reward function or step raises is a counted failed sample and
 training goes on; OpenEnv's HTTP server on 127.0.0.1; a recipe through the CLI."""

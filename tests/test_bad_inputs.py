@@ -261,7 +261,8 @@ def test_a_really_full_disk(recipe, tmp_path):
     """A 10 MiB tmpfs holds one checkpoint of the tiny policy (6.5 MiB) but not two."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    run = (f"mount -t tmpfs -o size=10m tmpfs {disk} && {sys.executable} -m molt_lightning.commands.cli fit --config {recipe} "
+    run = (f"mount -t tmpfs -o size=10m tmpfs {disk} && {sys.executable} -m molt_lightning.commands.cli fit "
+           f"--config {recipe} "
            f"--trainer.max_steps 3 --trainer.enable_checkpointing true "
            f"--trainer.callbacks+ lightning.pytorch.callbacks.ModelCheckpoint --trainer.callbacks.dirpath {disk} "
            f"--trainer.callbacks.every_n_train_steps 1 --trainer.callbacks.save_top_k -1; echo rc=$?; "

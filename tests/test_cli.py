@@ -51,7 +51,8 @@ def test_bad_agent_path_is_a_clear_error(tmp_path):
 
 
 def test_unsupported_strategy_names_the_choices():
-    out = run("-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/default.yaml", "--trainer.strategy", "fsdp",
+    out = run("-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/default.yaml", "--trainer.strategy",
+              "fsdp",
               "--trainer.max_steps", "1")
     assert out.returncode != 0
     assert "'fsdp' is not supported: use auto (one process), ddp, fsdp2" in out.stderr
@@ -60,7 +61,8 @@ def test_unsupported_strategy_names_the_choices():
 
 def quiet_run(*args):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MOLT_QUIET": "1"}
-    return subprocess.run([sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/default.yaml",
+    return subprocess.run([sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config",
+                           "recipes/default.yaml",
                            "--model.engine", "molt_lightning.engines.TorchEngine", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -83,6 +85,7 @@ def test_quiet_terminal_shows_the_end_of_the_log_when_the_run_fails(tmp_path):
     out = quiet_run("--trainer.max_steps", "1", "--trainer.strategy", "fsdp")  # refused while the Trainer is made
     assert out.returncode != 0
     assert "'fsdp' is not supported" in out.stderr and "molt: the run failed; the last" in out.stderr
-    bad = subprocess.run([sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/default.yaml"],
+    bad = subprocess.run([sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config",
+                          "recipes/default.yaml"],
                          cwd=ROOT, env={**os.environ, "MOLT_QUIET": "yes"}, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "MOLT_QUIET='yes': use 1" in bad.stderr

@@ -222,7 +222,8 @@ def test_molt_fit_answers_bad_data_before_anything_starts(tmp_path):
                                   "init_args": {"sources": [{"path": str(path), "prompt": "question"}]}},
                         "engine": {"class_path": "molt_lightning.engines.TorchEngine"}}}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
-    done = subprocess.run([sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config", str(tmp_path / "r.yaml")],
+    done = subprocess.run([sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config",
+                           str(tmp_path / "r.yaml")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert f"error: data source {path}, row 1: no field 'question'" in done.stderr

@@ -1,7 +1,7 @@
-"""Harnesses in their own process (``molt_lightning.agents.harness.Harness``): a script written against each stock client gets
-its session from the environment and its reward is read back (reported, or graded by a verifier); a harness that
-hangs (killed with its process group at the deadline), crashes, prints garbage or never calls the endpoint fails its
-run with a counted reason; in training, those failures are counted and never trained on while the run goes on; the
+"""Harnesses in their own process (``molt_lightning.agents.harness.Harness``): a script written against each stock
+client gets its session from the environment and its reward is read back (reported, or graded by a verifier); a harness
+that hangs (killed with its process group at the deadline), crashes, prints garbage or never calls the endpoint fails
+its run with a counted reason; in training, those failures are counted and never trained on while the run goes on; the
 endpoint leaves loopback only with a token."""
 
 from __future__ import annotations

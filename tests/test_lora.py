@@ -281,7 +281,8 @@ def test_engine_refuses_the_other_policy_kind_and_foreign_tensors(policy_path, a
 def test_fsdp2_with_lora_is_refused_by_the_cli_before_anything_starts(tmp_path, strategy):
     from test_cli import run
 
-    out = run("-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/lora.yaml", "--trainer.strategy", strategy,
+    out = run("-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/lora.yaml", "--trainer.strategy",
+              strategy,
               "--trainer.devices", "2", "--trainer.logger.init_args.save_dir", str(tmp_path))
     assert out.returncode != 0 and "model.lora with --trainer.strategy fsdp2 or fsdp2_ep is not supported" in out.stderr
     assert "use --trainer.strategy ddp" in out.stderr and "Traceback" not in out.stderr

@@ -255,7 +255,8 @@ def test_distillation_needs_a_teacher_and_a_coefficient():
     with pytest.raises(ValueError, match="model.teacher"):
         AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, algo=Algorithm(distill_coef=1.0))
     with pytest.raises(ValueError, match="distill_coef"):
-        AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, teacher="molt_lightning.models.tiny.arithmetic_policy")
+        AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks,
+                      teacher="molt_lightning.models.tiny.arithmetic_policy")
 
 
 def test_per_turn_lists_of_the_wrong_shape_fail_the_run_with_the_reason():

@@ -213,7 +213,8 @@ def test_unreadable_files_and_dropped_rows_are_said(tmp_path, tokenizer, caplog)
 
 def molt(*args, timeout=600):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MOLT_QUIET": "0"}
-    return subprocess.run([sys.executable, "-m", "molt_lightning.commands.cli", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "molt_lightning.commands.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True,
                           text=True, timeout=timeout)
 
 

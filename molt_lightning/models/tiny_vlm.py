@@ -13,8 +13,8 @@ shipped-build lookup), extended there, not copied.
 
 Shipped like the text policies (``models/prebuilt/``; ``python -m molt_lightning.models.tiny_vlm`` rebuilds
 it, a few CPU-minutes). On the CPU it is served by the ``TorchEngine``: vLLM's LLaVA code imports torchvision, which
-PyPI builds only for CUDA (see ``molt_lightning.policies.vision``). Hand-written: the build recipe (no library makes a tiny
-VLM policy for a task).
+PyPI builds only for CUDA (see ``molt_lightning.policies.vision``). Hand-written: the build recipe (no library makes a
+tiny VLM policy for a task).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 The agent (``openai_agent``) is what an agent looks like in the wild: ``openai.AsyncOpenAI`` pointed at the run's
 loopback endpoint (``client.base_url``, with the trajectory's own ``client.api_key``), ``tools=[python]``, tool calls
-executed in ``molt_lightning.agents.tools.sandbox.PythonSandbox`` (no network, a private directory, time/CPU/memory/process
-limits), their output sent back as ``tool`` messages. Reward 1 when the final reply is the exact result.
+executed in ``molt_lightning.agents.tools.sandbox.PythonSandbox`` (no network, a private directory,
+time/CPU/memory/process limits), their output sent back as ``tool`` messages. Reward 1 when the final reply is the exact
+result.
 
 The tiny policy for it (``molt_lightning.models.tiny.python_tool_policy``) is warm-started on ``demonstration``
 dialogues: its chat template renders tool calls Hermes-style (``<tool_call>{"name": ..., "arguments": ...}
