@@ -5,17 +5,18 @@
 - **paths**: every repository path named in code (inline ``code`` and fenced blocks): a path whose first folder is a
   top-level entry of the repository (``recipes/default.yaml``, ``benchmarks/weight_sync.py``, ``docs/engines.md``)
   exists there; one whose first folder is a folder of the package (``engines/base.py``) exists under
-  ``molt_lightning/``; a bare ``name.py`` in inline code is a file somewhere in the repository. A glob must match a
-  file; ``{a,b}`` is expanded;
+  ``molt_lightning/``; a bare ``name.py`` (or ``.sh``) in inline code is a file somewhere in the repository; in
+  ``tests/x.py::test_y`` the test exists too. A glob must match a file; ``{a,b}`` is expanded;
 - **dotted names**: every ``molt_lightning.x.y`` (or ``molt_lightning.x:y``) imports: the longest prefix that is a
   module is imported, the rest is looked up as attributes;
 - **commands**: every ``python -m molt_lightning...`` is a module that runs as a script, every ``molt SUBCOMMAND``
   and ``molt-bench SUBCOMMAND`` exists, and every ``molt-bench reproduce NAME`` and ``molt-bench run PROTOCOL`` names
   an entry of ``benchmarks/reported.yaml`` and a protocol of ``protocols/``.
 
-Not checked (``EXEMPT``): URLs, absolute paths and ``~`` (``/tmp``, ``/dev/shm``, ``~/.cache``), what a run writes
-(``runs/``, ``reproductions/``, ``lightning_logs/``, ``.venv/``), the docs' example data files, and placeholders
-written in capitals or with ``...`` (``runs/NAME/...``, ``recipes/X.yaml``).
+Not checked, on purpose: URLs; absolute paths and ``~`` (``/tmp``, ``/dev/shm``, ``~/.cache``); what runs and
+set-up write (``EXEMPT_ROOTS``: ``runs/``, ``reproductions/``, ``lightning_logs/``, ``.venv/``); the workflow's example
+dataset (``EXAMPLE_FILES``); shell variables (``recipes/algorithms/$r.yaml``); and placeholders (``PLACEHOLDER``: a
+path that does not exist and has a part in capitals or ``...``, as ``runs/NAME/...`` or ``recipes/X.yaml``).
 
 A failure lists every name that does not exist as ``file:line: name: why``, one test per page and kind.
 """
@@ -40,8 +41,8 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 EXEMPT_ROOTS = {"runs", "reproductions", "lightning_logs", ".venv", "bench-reports"}  # what runs and set-up write
 EXAMPLE_FILES = {"data/train.jsonl", "data/test.jsonl"}  # the workflow's example dataset, the user's own files
-PLACEHOLDER = re.compile(r"\.\.\.|\b(?:[A-Z][A-Z_0-9]*)\b")  # runs/NAME/..., recipes/X.yaml, FOLDER, P.yaml
-SOURCE_SUFFIXES = (".py", ".sh")  # a bare file name of these kinds is checked (metrics.csv, eval.jsonl are outputs)
+PLACEHOLDER = re.compile(r"(?:^|/)(?:[A-Z][A-Z0-9_]*|\.\.\.)(?:[./]|$)")  # a missing NAME/, X.yaml, FOLDER, .../
+SOURCE_SUFFIXES = (".py", ".sh")  # the bare file names that are checked
 
 
 @dataclass
@@ -171,28 +172,27 @@ def files_named(name: str) -> bool:
 
 def path_problem(token: str, inline: bool) -> str | None:
     """Why ``token`` names a repository path that does not exist; None when it exists or is not one."""
-    if "://" in token or token.startswith(("/", "~", "-")) or "$" in token or PLACEHOLDER.search(token):
+    if "://" in token or token.startswith(("/", "~", "-")) or "$" in token:  # a URL, outside the repository, a flag
         return None
     token, _, test = token.partition("::")  # tests/test_data.py::test_name
-    if token in EXAMPLE_FILES:
-        return None
     first, last = token.split("/")[0], token.split("/")[-1]
-    if "/" not in token:
-        if inline and token.endswith(SOURCE_SUFFIXES) and re.fullmatch(r"[\w.-]+", token) and not files_named(token):
-            return "no file of this name in the repository"
+    if token in EXAMPLE_FILES or first in EXEMPT_ROOTS:
         return None
-    if first in EXEMPT_ROOTS:
-        return None
-    if (ROOT / first).exists():
-        if not exists(ROOT, token):
-            return "no such path in the repository"
-        if test and not re.search(rf"^\s*(?:async )?def {re.escape(test)}\(", (ROOT / token).read_text(), re.M):
-            return f"{token} has no test {test}"
-        return None
-    # a path inside the package (engines/base.py, agents/adapters/); not a metric name (rollout/buffered_groups)
-    if (PACKAGE / first).is_dir() and (last == "" or "." in last):
-        return None if exists(PACKAGE, token) else "no such path under molt_lightning/"
-    return None
+    if "/" not in token:  # a bare file name: only source files are checked (metrics.csv, eval.jsonl are outputs)
+        missing = inline and token.endswith(SOURCE_SUFFIXES) and re.fullmatch(r"[\w.-]+", token) and \
+            not files_named(token)
+        why = "no file of this name in the repository" if missing else None
+    elif (ROOT / first).exists():
+        why = None if exists(ROOT, token) else "no such path in the repository"
+        if why is None and test and not re.search(rf"^\s*(?:async )?def {re.escape(test)}\(",
+                                                  (ROOT / token).read_text(), re.M):
+            why = f"{token} has no test {test}"
+    elif (PACKAGE / first).is_dir() and (last == "" or "." in last):
+        # a path inside the package (engines/base.py, agents/adapters/); not a metric name (rollout/buffered_groups)
+        why = None if exists(PACKAGE, token) else "no such path under molt_lightning/"
+    else:
+        why = None
+    return None if why is None or PLACEHOLDER.search(token) else why
 
 
 @pytest.mark.parametrize("path", DOCS, ids=doc_id)
@@ -327,6 +327,8 @@ def test_the_checks_catch_what_they_should(tmp_path):
     assert path_problem("rollout/buffered_groups", True) is None and path_problem("agents/adapters/", True) is None
     assert path_problem("tests/test_docs.py::test_paths_exist", True) is None
     assert path_problem("tests/test_docs.py::test_nope", True)
+    assert path_problem("containers/README.md", True) is None and path_problem("containers/readme.md", True)
+    assert path_problem("containers/NAME.md", True) is None  # a missing all-caps name: a placeholder
     for exempt in ("runs/NAME/version_0/checkpoints/last.ckpt", "runs/default/metrics.csv", "/tmp/x", "~/.cache/x",
                    "https://github.com/a/b", "data/train.jsonl", "recipes/X.yaml", "out/", "recipes/$r.yaml"):
         assert path_problem(exempt, True) is None, exempt
