@@ -54,11 +54,9 @@ class GeneratedImagePlaceholder(RuntimeError):
 
 
 class AgentClient:
-    def __init__(
-        self, engine: RolloutEngine, trajectory: Trajectory, template: ChatTemplate | None,
-        temperature: float, max_context: int, seed: int | None = None,
-        counter: Callable[[str, int], None] | None = None,
-    ):
+    def __init__(self, engine: RolloutEngine, trajectory: Trajectory, template: ChatTemplate | None,
+                 temperature: float, max_context: int, seed: int | None = None,
+                 counter: Callable[[str, int], None] | None = None):
         self.engine, self.trajectory, self.template = engine, trajectory, template
         self.temperature, self.max_context = temperature, max_context
         self.seed, self._requests = seed, 0  # request k samples with seed + k (None: the engine's shared stream)
@@ -205,18 +203,14 @@ class AgentClient:
         starts. The OpenAI-compatible endpoint serves every request through this (``serve``)."""
         if self.template is None:
             raise ValueError("client.chat needs a tokenizer with a chat template")
-        t, tools = self.template, tools or None
-        seen = self._messages
-        if seen is not None and tools == self._tools and len(messages) > len(seen) and messages[: len(seen)] == seen:
-            delta = t.delta_inputs(seen, messages[len(seen):], tools)
-            if delta is None:
-                self.new_segment()
-                context, images = t.prompt_inputs(messages, tools)
-            else:
-                context, images = t.close_turn_ids(self._last_gen) + delta[0], delta[1]
-        else:
+        t, tools, seen = self.template, tools or None, self._messages or []
+        extends = seen and tools == self._tools and len(messages) > len(seen) and messages[:len(seen)] == seen
+        delta = t.delta_inputs(seen, messages[len(seen):], tools) if extends else None  # None: not stably rendered
+        if delta is None:
             self.new_segment()
             context, images = t.prompt_inputs(messages, tools)
+        else:
+            context, images = t.close_turn_ids(self._last_gen) + delta[0], delta[1]
         out = await self.generate(context, max_tokens=max_tokens, images=images)
         message = t.parse_reply(out.token_ids, tools)
         self._messages = [*messages, {k: v for k, v in message.items() if k != "unparsed"}]
