@@ -155,12 +155,10 @@ class ChatTemplate:
             return {"role": "assistant", "content": text, "unparsed": "a tool call or its arguments is not a JSON "
                                                                       "object"}
         message = {"role": "assistant", "content": parsed.get("content") or ""}
-        if calls:
-            message["tool_calls"] = [
-                {"type": "function", "function": {"name": str(c.get("function", {}).get("name", "")),
-                                                  "arguments": c.get("function", {}).get("arguments") or {}}}
-                for c in calls
-            ]
+        if calls:  # each call's function is an object here (checked above)
+            message["tool_calls"] = [{"type": "function", "function": {
+                "name": str(c["function"].get("name", "")), "arguments": c["function"].get("arguments") or {}}}
+                for c in calls]
         return message
 
 
