@@ -32,6 +32,7 @@ import json
 import math
 import random
 from collections.abc import Callable
+from functools import cached_property
 from typing import Any, get_args, get_origin
 from urllib.parse import urlsplit
 
@@ -177,35 +178,33 @@ class OpenEnvAgent:
         self.environment, self.env_kwargs, self.base_url = environment, dict(env_kwargs or {}), base_url
         self.client, self.action, self.render = client, action, render
         self.max_turns, self.max_tokens = max_turns, max_tokens
-        self._made: tuple | None = None
 
     def __repr__(self) -> str:
         return f"OpenEnvAgent({self.environment or self.base_url})"
 
+    @cached_property
     def _parts(self) -> tuple:
         """(session factory, reply text -> action, observation -> text), resolved on first use."""
-        if self._made is None:
-            action = _resolve(self.action)
-            if self.environment is not None:
-                env_cls = _resolve(self.environment)
-                action = action or _declared_action(env_cls)
-                session = lambda: _InProcess(env_cls(**self.env_kwargs))  # noqa: E731
-            else:
-                from openenv.core import GenericEnvClient
+        action = _resolve(self.action)
+        if self.environment is not None:
+            env_cls = _resolve(self.environment)
+            action = action or _declared_action(env_cls)
+            session = lambda: _InProcess(env_cls(**self.env_kwargs))  # noqa: E731
+        else:
+            from openenv.core import GenericEnvClient
 
-                client_cls = _resolve(self.client) or GenericEnvClient
-                session = lambda: _Remote(client_cls(base_url=self.base_url))  # noqa: E731
-            if action is None:
-                raise ValueError(f"{self!r}: the environment declares no Action class: give action=")
-            if isinstance(action, type):
-                action = _text_action(action)
-            self._made = (session, action, _resolve(self.render) or render)
-        return self._made
+            client_cls = _resolve(self.client) or GenericEnvClient
+            session = lambda: _Remote(client_cls(base_url=self.base_url))  # noqa: E731
+        if action is None:
+            raise ValueError(f"{self!r}: the environment declares no Action class: give action=")
+        if isinstance(action, type):
+            action = _text_action(action)
+        return session, action, _resolve(self.render) or render
 
     async def __call__(self, client, sample: dict[str, Any]) -> AgentResult:
         from openenv.core import CallToolAction
 
-        make_session, make_action, show = self._parts()
+        make_session, make_action, show = self._parts
         session = make_session()
         rewards: list[float] = []  # every step's, the reset's first: the episode's reward is their sum
 
