@@ -161,18 +161,15 @@ class AgentClient:
             raise ValueError("generate needs context: pass the prompt token ids")
         max_tokens = self.max_context - n if max_tokens is None else max_tokens
         if max_tokens < 1 or n + max_tokens > self.max_context:
-            raise ContextOverflow(
-                f"segment of {n} tokens + max_tokens {max_tokens} exceeds max_context {self.max_context}; "
-                "start a new segment, shorten the context, or raise max_context"
-            )
+            raise ContextOverflow(f"segment of {n} tokens + max_tokens {max_tokens} exceeds max_context "
+                                  f"{self.max_context}; start a new segment, shorten the context, or raise max_context")
         self.add_context(context_ids or [], images)
-        prompt = self.tokens
         seed = None if self.seed is None else self.seed + self._requests
         self._requests += 1
         t = self.trajectory  # route_key: an engine pool sends every turn of this trajectory to one engine
         sampling = Sampling(max_tokens=max_tokens, temperature=self.temperature, seed=seed,
                             route_key=f"{t.group_id}/{t.member}")
-        out = await self.engine.generate(prompt, sampling, images=segment_images(t.segments[-1]))
+        out = await self.engine.generate(self.tokens, sampling, images=segment_images(t.segments[-1]))
         t.turns += 1  # a turn is an engine call: the agent's per-turn rewards count them (AgentResult)
         if out.token_ids:
             t.segments[-1].append(Span.policy(out.token_ids, out.logprobs, out.versions, turn=t.turns - 1))

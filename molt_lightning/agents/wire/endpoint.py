@@ -28,7 +28,8 @@ an unknown field, garbage inside a message, tool or block, and a conversation th
 the field and the fix; unknown routes and methods get 404/405 in the wire's error shape. A turn that fails after
 checking (a context overflow, a template error) is undone: the trajectory keeps no token, span or segment break of it.
 Unknown fields are refused (they might change sampling); the fields accepted and ignored are listed in
-``openai_chat._FIELDS`` (``anthropic_messages._FIELDS``) and in docs/agents.md. Message keys other than ``role``, ``content`` and ``tool_calls`` are ignored.
+``openai_chat._FIELDS`` (``anthropic_messages._FIELDS``) and in docs/agents.md. Message keys other than ``role``,
+``content`` and ``tool_calls`` are ignored.
 
 The HTTP layer is Starlette on uvicorn (both come with vLLM); request validation and the OpenAI response shapes are
 written here by hand: they are the part no library offers without pulling in a serving engine.
