@@ -11,7 +11,7 @@ executes tools is an ordinary agent program of your own (docs/agents.md).
 from __future__ import annotations
 
 from .client import AgentResult
-from ..data.graders import DEFAULT_TIMEOUT_S, VerifierFailed, verify
+from ..data.graders import DEFAULT_TIMEOUT_S, Verdict, VerifierFailed, verify
 
 
 class Answer:
@@ -25,9 +25,14 @@ class Answer:
 
     async def __call__(self, client, sample: dict) -> AgentResult:
         message, _ = await client.chat_turn(sample["messages"], max_tokens=self.max_tokens, tools=sample.get("tools"))
-        try:
-            verdict = await verify(sample["verifier"], message.get("content") or "", sample, self.timeout_s)
-        except VerifierFailed:
-            client.count("verifier_failed")
-            raise
+        verdict = await graded(client, sample["verifier"], message.get("content") or "", sample, self.timeout_s)
         return AgentResult(verdict.score, {"answer": verdict.answer})
+
+
+async def graded(client, verifier: str, reply: str, sample: dict, timeout_s: float = DEFAULT_TIMEOUT_S) -> Verdict:
+    """``verify``, counting a verifier that raises, hangs or dies as ``agent/verifier_failed`` (also ``Harness``'s)."""
+    try:
+        return await verify(verifier, reply, sample, timeout_s)
+    except VerifierFailed:
+        client.count("verifier_failed")
+        raise

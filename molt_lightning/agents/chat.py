@@ -37,10 +37,8 @@ class ChatTemplate:
 
     def __init__(self, tokenizer, processor=None):
         if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError(
-                "the tokenizer has no chat_template: `client.chat` needs one. Set `tokenizer.chat_template` "
-                "(a Jinja string) or use `client.generate` with your own token ids."
-            )
+            raise ValueError("the tokenizer has no chat_template: `client.chat` needs one. Set tokenizer.chat_template "
+                             "(a Jinja string) or use `client.generate` with your own token ids.")
         self.tokenizer, self.processor = tokenizer, processor  # processor: a VLM's (expands images), else None
         self.eos_id: int = tokenizer.eos_token_id
         self.eos_text = tokenizer.decode([self.eos_id])
@@ -81,9 +79,8 @@ class ChatTemplate:
         return sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)) // self.longest_token
 
     def render(self, messages: list[Message], add_generation_prompt: bool = False, tools: list | None = None) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         if not text:
@@ -155,12 +152,10 @@ class ChatTemplate:
             return {"role": "assistant", "content": text, "unparsed": "a tool call or its arguments is not a JSON "
                                                                       "object"}
         message = {"role": "assistant", "content": parsed.get("content") or ""}
-        if calls:
-            message["tool_calls"] = [
-                {"type": "function", "function": {"name": str(c.get("function", {}).get("name", "")),
-                                                  "arguments": c.get("function", {}).get("arguments") or {}}}
-                for c in calls
-            ]
+        if calls:  # each call's function is an object here (checked above)
+            message["tool_calls"] = [{"type": "function", "function": {
+                "name": str(c["function"].get("name", "")), "arguments": c["function"].get("arguments") or {}}}
+                for c in calls]
         return message
 
 

@@ -54,11 +54,9 @@ class GeneratedImagePlaceholder(RuntimeError):
 
 
 class AgentClient:
-    def __init__(
-        self, engine: RolloutEngine, trajectory: Trajectory, template: ChatTemplate | None,
-        temperature: float, max_context: int, seed: int | None = None,
-        counter: Callable[[str, int], None] | None = None,
-    ):
+    def __init__(self, engine: RolloutEngine, trajectory: Trajectory, template: ChatTemplate | None,
+                 temperature: float, max_context: int, seed: int | None = None,
+                 counter: Callable[[str, int], None] | None = None):
         self.engine, self.trajectory, self.template = engine, trajectory, template
         self.temperature, self.max_context = temperature, max_context
         self.seed, self._requests = seed, 0  # request k samples with seed + k (None: the engine's shared stream)
@@ -163,18 +161,15 @@ class AgentClient:
             raise ValueError("generate needs context: pass the prompt token ids")
         max_tokens = self.max_context - n if max_tokens is None else max_tokens
         if max_tokens < 1 or n + max_tokens > self.max_context:
-            raise ContextOverflow(
-                f"segment of {n} tokens + max_tokens {max_tokens} exceeds max_context {self.max_context}; "
-                "start a new segment, shorten the context, or raise max_context"
-            )
+            raise ContextOverflow(f"segment of {n} tokens + max_tokens {max_tokens} exceeds max_context "
+                                  f"{self.max_context}; start a new segment, shorten the context, or raise max_context")
         self.add_context(context_ids or [], images)
-        prompt = self.tokens
         seed = None if self.seed is None else self.seed + self._requests
         self._requests += 1
         t = self.trajectory  # route_key: an engine pool sends every turn of this trajectory to one engine
         sampling = Sampling(max_tokens=max_tokens, temperature=self.temperature, seed=seed,
                             route_key=f"{t.group_id}/{t.member}")
-        out = await self.engine.generate(prompt, sampling, images=segment_images(t.segments[-1]))
+        out = await self.engine.generate(self.tokens, sampling, images=segment_images(t.segments[-1]))
         t.turns += 1  # a turn is an engine call: the agent's per-turn rewards count them (AgentResult)
         if out.token_ids:
             t.segments[-1].append(Span.policy(out.token_ids, out.logprobs, out.versions, turn=t.turns - 1))
@@ -205,18 +200,14 @@ class AgentClient:
         starts. The OpenAI-compatible endpoint serves every request through this (``serve``)."""
         if self.template is None:
             raise ValueError("client.chat needs a tokenizer with a chat template")
-        t, tools = self.template, tools or None
-        seen = self._messages
-        if seen is not None and tools == self._tools and len(messages) > len(seen) and messages[: len(seen)] == seen:
-            delta = t.delta_inputs(seen, messages[len(seen):], tools)
-            if delta is None:
-                self.new_segment()
-                context, images = t.prompt_inputs(messages, tools)
-            else:
-                context, images = t.close_turn_ids(self._last_gen) + delta[0], delta[1]
-        else:
+        t, tools, seen = self.template, tools or None, self._messages or []
+        extends = seen and tools == self._tools and len(messages) > len(seen) and messages[:len(seen)] == seen
+        delta = t.delta_inputs(seen, messages[len(seen):], tools) if extends else None  # None: not stably rendered
+        if delta is None:
             self.new_segment()
             context, images = t.prompt_inputs(messages, tools)
+        else:
+            context, images = t.close_turn_ids(self._last_gen) + delta[0], delta[1]
         out = await self.generate(context, max_tokens=max_tokens, images=images)
         message = t.parse_reply(out.token_ids, tools)
         self._messages = [*messages, {k: v for k, v in message.items() if k != "unparsed"}]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,32 +90,45 @@ class EnvAgent:
         return f"EnvAgent({self.environment.__name__})"
 
     async def __call__(self, client, sample) -> AgentResult:
-        env_cls, max_turns = self.environment, self.max_turns
-        env = env_cls(**self.env_kwargs)
+        name = self.environment.__name__
+        env = self.environment(**self.env_kwargs)
         try:
-            messages = _messages(await env.reset(sample), "user", f"{env_cls.__name__}.reset")
-            info, done, observation = {}, False, messages
-            rewards, keys = [], []  # per turn: the step's reward, the state the reply acted on
-            while not done and len(keys) < max_turns:
-                action = await client.chat(messages, max_tokens=self.max_tokens)
-                keys.append(json.dumps(observation, sort_keys=True, default=str))
-                step = await env.step(action)
-                if not isinstance(step, Step):
-                    raise TypeError(f"{env_cls.__name__}.step returned {type(step).__name__}, not a Step")
-                rewards.append(float(step.reward))
-                done = step.done
-                info.update(step.info)
-                messages.append({"role": "assistant", "content": action})
-                if not done:
-                    observation = _messages(step.observation, env.observation_role,
-                                            f"{env_cls.__name__}.step (or end the episode with done=True)")
-                    messages += observation
+            opening = _messages(await env.reset(sample), "user", f"{name}.reset")
+            rewards, keys, info, done = await play(client, opening, lambda reply: env.step(reply["content"]), name,
+                                                   env.observation_role, self.max_turns, self.max_tokens)
         finally:
             await env.close()
-        if not done:
-            client.trajectory.truncate(f"the environment was not done after max_turns={max_turns}")
         return AgentResult(sum(rewards), {**info, "turns": len(keys), "env_truncated": not done},
                            turn_rewards=rewards, turn_keys=keys)
+
+
+async def play(client, messages: list[dict[str, Any]], answer: Callable[[dict], Awaitable[Step]], name: str,
+               role: str, max_turns: int, max_tokens: int, tools: list | None = None
+               ) -> tuple[list[float], list[str], dict[str, Any], bool]:
+    """The chat loop of an episode (``EnvAgent``'s, ``adapters.OpenEnvAgent``'s) from the opening ``messages``: the
+    policy replies (``client.chat_turn``, offered ``tools``), ``answer(reply message)`` steps the environment, and a
+    step not done adds its observation to the conversation (a text as a message of ``role``), until a step is done or
+    ``max_turns`` replies were made; an episode not done then truncates the trajectory. Returns the steps' rewards,
+    the observation each reply answered (its messages as JSON), the steps' info merged and whether the episode is
+    done. ``name`` names the environment in errors."""
+    info, done, observation = {}, False, messages
+    rewards, keys = [], []  # per turn: the step's reward, the state the reply acted on
+    while not done and len(keys) < max_turns:
+        reply, _ = await client.chat_turn(messages, max_tokens=max_tokens, tools=tools)
+        keys.append(json.dumps(observation, sort_keys=True, default=str))
+        step = await answer(reply)
+        if not isinstance(step, Step):
+            raise TypeError(f"{name}.step returned {type(step).__name__}, not a Step")
+        rewards.append(float(step.reward))
+        done = step.done
+        info.update(step.info)
+        messages.append({k: v for k, v in reply.items() if k != "unparsed"})
+        if not done:
+            observation = _messages(step.observation, role, f"{name}.step (or end the episode with done=True)")
+            messages += observation
+    if not done:
+        client.trajectory.truncate(f"the environment was not done after max_turns={max_turns}")
+    return rewards, keys, info, done
 
 
 def _messages(observation: Observation, role: str, source: str) -> list[dict[str, Any]]:

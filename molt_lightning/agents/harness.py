@@ -29,6 +29,7 @@ carries). Process handling is asyncio's subprocess support; the session protocol
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -39,6 +40,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .answer import graded
 from .client import AgentResult
 
 _SESSION_VARS = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY",
@@ -93,10 +95,10 @@ class Harness:
                                                       "was killed with its process group") from None
             finally:
                 if proc.returncode is None:  # deadline, or the rollout cancelled this run
-                    _kill_group(proc.pid)
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(proc.pid, signal.SIGKILL)
                     await asyncio.shield(proc.wait())
-            out = stdout.decode(errors="replace")
-            err = stderr.decode(errors="replace")
+            out, err = stdout.decode(errors="replace"), stderr.decode(errors="replace")
             info: dict[str, Any] = {"harness_exit": proc.returncode, "harness_stdout": out[-self.keep:],
                                     "harness_stderr": err[-self.keep:]}
             client.trajectory.info.update(info)
@@ -107,15 +109,10 @@ class Harness:
                 raise self._failed(client, "no_requests", "the harness never called the endpoint (OPENAI_BASE_URL "
                                                           "/ ANTHROPIC_BASE_URL): nothing to train on")
             if self.score is not None:
-                from ..data.graders import VerifierFailed, verify
-
-                try:
-                    verdict = await verify(self.score, out.strip(), sample)
-                except VerifierFailed:
-                    client.count("verifier_failed")
-                    raise
+                verdict = await graded(client, self.score, out.strip(), sample)
                 return AgentResult(verdict.score, {**info, "answer": verdict.answer})
-            report = result_file.read_text() if result_file.exists() else _last_line(out)
+            last_line = next((line for line in reversed(out.splitlines()) if line.strip()), "")
+            report = result_file.read_text() if result_file.exists() else last_line
             reward, extra = _parse_report(report)
             if reward is None:
                 raise self._failed(client, "no_reward", f"the harness reported no reward: {report.strip()[-200:]!r}; "
@@ -127,18 +124,6 @@ class Harness:
     def _failed(client, kind: str, why: str) -> HarnessFailed:
         client.count(f"harness/{kind}")
         return HarnessFailed(why)
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _last_line(text: str) -> str:
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else ""
 
 
 def _parse_report(text: str) -> tuple[float | None, dict]:

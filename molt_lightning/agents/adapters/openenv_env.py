@@ -32,11 +32,13 @@ import json
 import math
 import random
 from collections.abc import Callable
+from functools import cached_property
 from typing import Any, get_args, get_origin
 from urllib.parse import urlsplit
 
 from ...config import imported
 from ..client import AgentResult
+from ..env import Step, play
 
 __all__ = ["OpenEnvAgent", "render", "seeds"]
 
@@ -53,14 +55,10 @@ def _resolve(spec: Any) -> Any:
     return imported(spec, "OpenEnvAgent's") if isinstance(spec, str) else spec
 
 
-def _fields(obs: Any) -> dict[str, Any]:
-    data = obs.model_dump() if hasattr(obs, "model_dump") else dict(obs)
-    return {k: v for k, v in data.items() if k not in ("done", "reward", "metadata")}
-
-
 def render(obs: Any) -> str:
     """An observation as a message: its one text field, else its fields as JSON."""
-    fields = _fields(obs)
+    data = obs.model_dump() if hasattr(obs, "model_dump") else dict(obs)  # a remote one may be a dict
+    fields = {k: v for k, v in data.items() if k not in ("done", "reward", "metadata")}
     texts = [v for v in fields.values() if isinstance(v, str)]
     if len(fields) == 1 and texts:
         return texts[0]
@@ -68,10 +66,10 @@ def render(obs: Any) -> str:
 
 
 def tool_text(obs: Any) -> str:
-    """A ``CallToolObservation`` (or its JSON form) as a tool message."""
-    error, result = (obs.get("error"), obs.get("result")) if isinstance(obs, dict) else (obs.error, obs.result)
+    """An in-process ``CallToolObservation`` as a tool message (the remote session offers no tools)."""
+    error, result = obs.error, obs.result
     if error:
-        return f"error: {error['message'] if isinstance(error, dict) else error.message}"
+        return f"error: {error.message}"
     content = result.get("content") if isinstance(result, dict) else getattr(result, "content", None)
     if isinstance(content, list):
         return "\n".join(str(c.get("text", c) if isinstance(c, dict) else getattr(c, "text", c)) for c in content)
@@ -107,8 +105,7 @@ def _unpack(obs: Any, reward: Any = None, done: Any = None, source: str = "") ->
         if not isinstance(obs, Observation):
             raise TypeError(f"{source} returned {type(obs).__name__}, not an openenv Observation")
         reward, done = obs.reward, obs.done
-    if reward is None:
-        reward = 0.0
+    reward = 0.0 if reward is None else reward
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         raise TypeError(f"{source} gave the reward {reward!r}, not a finite number")
     return obs, float(reward), bool(done)
@@ -181,67 +178,62 @@ class OpenEnvAgent:
         self.environment, self.env_kwargs, self.base_url = environment, dict(env_kwargs or {}), base_url
         self.client, self.action, self.render = client, action, render
         self.max_turns, self.max_tokens = max_turns, max_tokens
-        self._made: tuple | None = None
 
     def __repr__(self) -> str:
         return f"OpenEnvAgent({self.environment or self.base_url})"
 
+    @cached_property
     def _parts(self) -> tuple:
         """(session factory, reply text -> action, observation -> text), resolved on first use."""
-        if self._made is None:
-            action = _resolve(self.action)
-            if self.environment is not None:
-                env_cls = _resolve(self.environment)
-                action = action or _declared_action(env_cls)
-                session = lambda: _InProcess(env_cls(**self.env_kwargs))  # noqa: E731
-            else:
-                from openenv.core import GenericEnvClient
+        action = _resolve(self.action)
+        if self.environment is not None:
+            env_cls = _resolve(self.environment)
+            action = action or _declared_action(env_cls)
+            session = lambda: _InProcess(env_cls(**self.env_kwargs))  # noqa: E731
+        else:
+            from openenv.core import GenericEnvClient
 
-                client_cls = _resolve(self.client) or GenericEnvClient
-                session = lambda: _Remote(client_cls(base_url=self.base_url))  # noqa: E731
-            if action is None:
-                raise ValueError(f"{self!r}: the environment declares no Action class: give action=")
-            if isinstance(action, type):
-                action = _text_action(action)
-            self._made = (session, action, _resolve(self.render) or render)
-        return self._made
+            client_cls = _resolve(self.client) or GenericEnvClient
+            session = lambda: _Remote(client_cls(base_url=self.base_url))  # noqa: E731
+        if action is None:
+            raise ValueError(f"{self!r}: the environment declares no Action class: give action=")
+        if isinstance(action, type):
+            action = _text_action(action)
+        return session, action, _resolve(self.render) or render
 
     async def __call__(self, client, sample: dict[str, Any]) -> AgentResult:
         from openenv.core import CallToolAction
 
-        make_session, make_action, show = self._parts()
+        make_session, make_action, show = self._parts
         session = make_session()
-        reward, turns, steps, done = 0.0, 0, 0, False
+        rewards: list[float] = []  # every step's, the reset's first: the episode's reward is their sum
+
+        async def answer(reply: dict) -> Step:
+            """The reply's tool calls, each a ``CallToolAction`` answered by a tool message, or its text the action."""
+            if "unparsed" in reply:
+                client.count("openenv/unparsed_tool_calls")
+            start, observation, done = len(rewards), [], False
+            for call in reply.get("tool_calls") or []:
+                action = CallToolAction(tool_name=call["function"]["name"], arguments=call["function"]["arguments"])
+                obs, r, done = await session.step(action)
+                rewards.append(r)
+                observation.append({"role": "tool", "content": tool_text(obs)})
+                if done:
+                    break
+            if not observation:
+                obs, r, done = await session.step(make_action(reply.get("content") or ""))
+                rewards.append(r)
+                observation = None if done else [{"role": "user", "content": show(obs)}]
+            return Step(observation, sum(rewards[start:]), done)
+
         try:
             obs, r, done = await session.reset(seed=sample.get("seed"), **sample.get("reset", {}))
             if done:
                 raise RuntimeError("the environment was done at reset: nothing for the policy to do")
-            reward += r
+            rewards.append(r)
             tools = await session.tools()
-            messages: list[dict[str, Any]] = [{"role": "user", "content": show(obs)}]
-            while not done and turns < self.max_turns:
-                message, _ = await client.chat_turn(messages, max_tokens=self.max_tokens, tools=tools)
-                turns += 1
-                messages.append({k: v for k, v in message.items() if k != "unparsed"})
-                if "unparsed" in message:
-                    client.count("openenv/unparsed_tool_calls")
-                for call in message.get("tool_calls") or []:
-                    name, arguments = call["function"]["name"], call["function"]["arguments"]
-                    if not isinstance(arguments, dict):
-                        messages.append({"role": "tool", "content": "error: tool arguments must be a JSON object"})
-                        continue
-                    obs, r, done = await session.step(CallToolAction(tool_name=name, arguments=arguments))
-                    steps, reward = steps + 1, reward + r
-                    messages.append({"role": "tool", "content": tool_text(obs)})
-                    if done:
-                        break
-                if not message.get("tool_calls"):
-                    obs, r, done = await session.step(make_action(message.get("content") or ""))
-                    steps, reward = steps + 1, reward + r
-                    if not done:
-                        messages.append({"role": "user", "content": show(obs)})
+            _, keys, _, done = await play(client, [{"role": "user", "content": show(obs)}], answer, repr(self), "user",
+                                          self.max_turns, self.max_tokens, tools)
         finally:
             await session.close()
-        if not done:
-            client.trajectory.truncate(f"the environment was not done after max_turns={self.max_turns}")
-        return AgentResult(reward, {"turns": turns, "env_steps": steps, "env_truncated": not done})
+        return AgentResult(sum(rewards), {"turns": len(keys), "env_steps": len(rewards) - 1, "env_truncated": not done})

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -53,6 +54,8 @@ import secrets
 import sys
 import types
 import weakref
+from collections.abc import Callable
+from contextlib import AsyncExitStack
 from typing import Any
 
 from ...config import imported
@@ -61,7 +64,6 @@ from ..client import AgentResult
 log = logging.getLogger(__name__)
 HARNESS_ID = "molt_chat_program"  # verifiers imports a harness by a dot-free module name: a shim holds ours
 __all__ = ["VerifiersAgent", "VerifiersTasks", "load_env_config"]  # and ChatProgramHarness, made on use
-_program: dict | None = None
 
 
 def load_env_config(environment: str, env_args: dict | None = None, env_config: dict | None = None):
@@ -92,29 +94,28 @@ def load_env_config(environment: str, env_args: dict | None = None, env_config: 
     return config.model_copy(update=roles)
 
 
+def _shim(module: str, name: str, make: Callable[[], Any], doc: str) -> str:
+    """``module``, importable by verifiers: a module exporting only ``name`` (made by ``make`` on first use)."""
+    if module not in sys.modules:
+        shim = types.ModuleType(module, doc)
+        shim.__all__ = [name]
+        setattr(shim, name, make())
+        sys.modules[module] = shim
+    return module
+
+
 def _harness_id() -> str:
     """``HARNESS_ID``, importable: a module exporting only ``ChatProgramHarness``."""
-    if HARNESS_ID not in sys.modules:
-        shim = types.ModuleType(HARNESS_ID, "molt_lightning.agents.adapters.verifiers_env.ChatProgramHarness")
-        shim.__all__ = ["ChatProgramHarness"]
-        shim.ChatProgramHarness = sys.modules[__name__].ChatProgramHarness
-        sys.modules[HARNESS_ID] = shim
-    return HARNESS_ID
+    return _shim(HARNESS_ID, "ChatProgramHarness", lambda: sys.modules[__name__].ChatProgramHarness,
+                 "molt_lightning.agents.adapters.verifiers_env.ChatProgramHarness")
 
 
 def _taskset_id(environment: str) -> str:
     """A taskset id verifiers can import: the id itself, or for ``pkg.module:Class`` an alias module exporting it."""
     if ":" not in environment:
         return environment
-    name = environment.partition(":")[2]
-    cls = imported(environment, "the verifiers taskset")
-    alias = "_molt_vf_" + re.sub(r"\W", "_", environment).lower()
-    if alias not in sys.modules:
-        shim = types.ModuleType(alias, f"the taskset {environment}")
-        shim.__all__ = [name]
-        setattr(shim, name, cls)
-        sys.modules[alias] = shim
-    return alias
+    return _shim("_molt_vf_" + re.sub(r"\W", "_", environment).lower(), environment.partition(":")[2],
+                 lambda: imported(environment, "the verifiers taskset"), f"the taskset {environment}")
 
 
 def _sample(task) -> dict[str, Any]:
@@ -172,7 +173,8 @@ class VerifiersAgent:
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"VerifiersAgent max_tokens must be >= 1, got {max_tokens}")
         self.environment, self.env_args, self.env_config = environment, env_args, env_config
-        self.max_tokens, self._env = max_tokens, None
+        self.max_tokens = max_tokens
+        self._env = None if isinstance(environment, str) else environment  # a vf.Env, taken as it is
         self._serving: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> (ready future, holder)
 
     def __repr__(self) -> str:
@@ -180,8 +182,6 @@ class VerifiersAgent:
 
     def env(self):
         """The verifiers ``Env`` (loaded on first use)."""
-        if self._env is None and not isinstance(self.environment, str):  # a vf.Env, taken as it is
-            self._env = self.environment
         if self._env is None:
             import verifiers.v1 as vf
 
@@ -262,16 +262,14 @@ class VerifiersAgent:
         # tool servers die with the engine's loop thread (verifiers starts them with PR_SET_PDEATHSIG)
 
 
+@functools.cache
 def _chat_program() -> dict:
     """verifiers' bundled chat program (what the ``null`` harness runs as a script), loaded once as a namespace."""
-    global _program
-    if _program is None:
-        from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
+    from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
 
-        namespace = {"__name__": "verifiers_chat_program"}
-        exec(compile(CHAT_PROGRAM_SOURCE, "<verifiers chat program>", "exec"), namespace)
-        _program = namespace
-    return _program
+    namespace = {"__name__": "verifiers_chat_program"}
+    exec(compile(CHAT_PROGRAM_SOURCE, "<verifiers chat program>", "exec"), namespace)
+    return namespace
 
 
 def _harness_class():
@@ -305,8 +303,6 @@ def _harness_class():
                 else None
             llm = openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, http_client=http)
             try:
-                from contextlib import AsyncExitStack
-
                 async with AsyncExitStack() as stack:
                     tools, dispatch, servers = [], {}, {}
                     if mcp_urls:

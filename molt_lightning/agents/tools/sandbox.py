@@ -107,10 +107,7 @@ class PythonSandbox:
         for install in sorted(self._installs):  # an interpreter that lives in a hidden folder (a clone in /tmp)
             top = next((h for h in hidden if install.startswith(h + "/")), None)
             if top is not None:
-                parts = install[len(top) + 1:].split("/")
-                argv += [a for i in range(1, len(parts)) for a in ("--perms", "0755", "--dir",
-                                                                   "/".join([top, *parts[:i]]))]
-                argv += ["--ro-bind", install, install]
+                argv += _bind_under(top, install)
         argv += ["--bind", workdir, workdir]
         argv += [a for path in [*hidden, "/dev"] for a in ("--remount-ro", path)]
         argv += [a for key, value in env.items() for a in ("--setenv", key, value)]
@@ -206,10 +203,16 @@ def _reexpose(paths: set[str]) -> list[str]:
             if (top := "/".join(parts[:closed[0]])) not in tops:
                 tops.append(top)
                 argv += ["--tmpfs", top]
-            for i in range(closed[0] + 1, len(parts)):  # bwrap would make the directories in between 0700
-                argv += ["--perms", "0755", "--dir", "/".join(parts[:i])]
-            argv += ["--ro-bind", path, path]
+            argv += _bind_under(top, path)
     return argv + [a for top in tops for a in ("--remount-ro", top)]
+
+
+def _bind_under(top: str, path: str) -> list[str]:
+    """bwrap arguments that bind ``path`` read-only into the tmpfs at its ancestor ``top``, the directories in
+    between made 0755 (bwrap would make them 0700)."""
+    parts = path.split("/")
+    dirs = ["/".join(parts[:i]) for i in range(top.count("/") + 2, len(parts))]
+    return [a for d in dirs for a in ("--perms", "0755", "--dir", d)] + ["--ro-bind", path, path]
 
 
 class _Capture:

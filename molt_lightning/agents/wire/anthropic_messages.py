@@ -51,16 +51,11 @@ def _refuse(message: str, param: str, code: str = "unsupported_value") -> Reques
     return RequestError(400, message, param, code)
 
 
-def _text(content: Any, where: str) -> str:
-    """A string, or text blocks joined; anything else (images, documents) is refused."""
-    return text_of(content, where, "text blocks")
-
-
 def _conversation(body: dict) -> list[dict]:
     """The Anthropic conversation as Hugging Face chat messages (tool-call arguments as dicts)."""
     out = []
     if body.get("system") is not None:
-        system = _text(body["system"], "system")
+        system = text_of(body["system"], "system", "text blocks")
         out += [{"role": "system", "content": system}] if system else []
     messages = body.get("messages")
     need(isinstance(messages, list) and bool(messages), "messages",
@@ -87,7 +82,7 @@ def _conversation(body: dict) -> list[dict]:
                      "an object (the tool's arguments)", b.get("input"))
                 calls.append({"type": "function", "function": {"name": b["name"], "arguments": b.get("input") or {}}})
             elif kind == "tool_result" and m["role"] == "user":
-                out.append({"role": "tool", "content": _text(b.get("content", ""), f"{at}.content")})
+                out.append({"role": "tool", "content": text_of(b.get("content", ""), f"{at}.content", "text blocks")})
             else:
                 raise _refuse(f"{at}: a {short(kind)} block is not supported in a {m['role']} message "
                               "(text, tool_use from the assistant, tool_result from the user)", at,
@@ -118,61 +113,56 @@ def _function_tools(tools: Any) -> list | None:
     return out
 
 
-class _AnthropicWire:
-    """``POST /v1/messages``: Anthropic's request, response, event-stream and error shapes."""
+def api_key(request) -> str:
+    key = request.headers.get("x-api-key")
+    return key.strip() if key else request.headers.get("authorization", "").removeprefix("Bearer ").strip()
 
-    @staticmethod
-    def api_key(request) -> str:
-        key = request.headers.get("x-api-key")
-        return key.strip() if key else request.headers.get("authorization", "").removeprefix("Bearer ").strip()
 
-    @staticmethod
-    def parse(body: dict, max_context: int, tools_ok: bool) -> tuple[list[dict], list | None, int | None]:
-        check_fields(body, _FIELDS, "the run trains on what the policy samples at its own settings, so fields "
-                                    "that change sampling or need Anthropic's servers (and ones this endpoint does "
-                                    "not know) are refused")
-        if body.get("top_k") is not None:
-            raise _refuse("top_k changes sampling and is not supported; omit it", "top_k")
-        if body.get("stop_sequences"):
-            raise _refuse("stop_sequences would cut the policy's reply short of what it sampled; omit them",
-                          "stop_sequences")
-        thinking = body.get("thinking")
-        if thinking is not None and thinking.get("type") not in ("disabled", "adaptive"):
-            raise _refuse("extended thinking with a budget is not supported: the policy's reasoning is whatever its "
-                          "chat template renders; omit `thinking` (or use adaptive)", "thinking")
-        if (body.get("output_config") or {}).get("format"):
-            raise _refuse("output_config.format (structured outputs) needs constrained decoding, which would change "
-                          "what the policy samples; omit it", "output_config")
-        choice = body.get("tool_choice")
-        kind = choice.get("type", "(no type)") if isinstance(choice, dict) else choice
-        if kind not in (None, "auto", "none") or (isinstance(choice, dict) and kind is None):
-            raise _refuse(f"tool_choice {short(kind)} is not supported (forcing a tool needs constrained decoding); "
-                          "use auto or none", "tool_choice")
-        tools = check_tools(_function_tools(body.get("tools")), kind, tools_ok)
-        max_tokens = check_max_tokens(body.get("max_tokens"), "max_tokens", max_context)
-        return _conversation(body), tools, max_tokens
+def parse(body: dict, max_context: int, tools_ok: bool) -> tuple[list[dict], list | None, int | None]:
+    check_fields(body, _FIELDS, "the run trains on what the policy samples at its own settings, so fields that "
+                                "change sampling or need Anthropic's servers (and ones this endpoint does not know) "
+                                "are refused")
+    if body.get("top_k") is not None:
+        raise _refuse("top_k changes sampling and is not supported; omit it", "top_k")
+    if body.get("stop_sequences"):
+        raise _refuse("stop_sequences would cut the policy's reply short of what it sampled; omit them",
+                      "stop_sequences")
+    thinking = body.get("thinking")
+    if thinking is not None and thinking.get("type") not in ("disabled", "adaptive"):
+        raise _refuse("extended thinking with a budget is not supported: the policy's reasoning is whatever its "
+                      "chat template renders; omit `thinking` (or use adaptive)", "thinking")
+    if (body.get("output_config") or {}).get("format"):
+        raise _refuse("output_config.format (structured outputs) needs constrained decoding, which would change "
+                      "what the policy samples; omit it", "output_config")
+    choice = body.get("tool_choice")
+    kind = choice.get("type", "(no type)") if isinstance(choice, dict) else choice
+    if kind not in (None, "auto", "none") or (isinstance(choice, dict) and kind is None):
+        raise _refuse(f"tool_choice {short(kind)} is not supported (forcing a tool needs constrained decoding); "
+                      "use auto or none", "tool_choice")
+    tools = check_tools(_function_tools(body.get("tools")), kind, tools_ok)
+    max_tokens = check_max_tokens(body.get("max_tokens"), "max_tokens", max_context)
+    return _conversation(body), tools, max_tokens
 
-    @staticmethod
-    def error_body(err: RequestError) -> dict:
-        # Anthropic says "prompt is too long" for a conversation past the context; harnesses look for those words
-        message = f"prompt is too long: {err.message}" if err.code == "context_length_exceeded" else err.message
-        return {"type": "error", "error": {"type": _KINDS.get(err.status, "api_error"), "message": message}}
 
-    @staticmethod
-    def respond(body: dict, message: dict, out, prompt_tokens: int):
-        from starlette.responses import JSONResponse, StreamingResponse
+def error_body(err: RequestError) -> dict:
+    # Anthropic says "prompt is too long" for a conversation past the context; harnesses look for those words
+    message = f"prompt is too long: {err.message}" if err.code == "context_length_exceeded" else err.message
+    return {"type": "error", "error": {"type": _KINDS.get(err.status, "api_error"), "message": message}}
 
-        content: list[dict] = [{"type": "text", "text": message["content"]}] if message.get("content") else []
-        content += [{"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:20]}", "name": c["function"]["name"],
-                     "input": c["function"]["arguments"]} for c in message.get("tool_calls", [])]
-        stop = "tool_use" if message.get("tool_calls") else "max_tokens" if out.finish_reason == "length" \
-            else "end_turn"
-        reply = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
-                 "model": body["model"], "content": content, "stop_reason": stop, "stop_sequence": None,
-                 "usage": {"input_tokens": prompt_tokens, "output_tokens": len(out.token_ids)}}
-        if body.get("stream"):
-            return StreamingResponse(_events(reply), media_type="text/event-stream")
-        return JSONResponse(reply)
+
+def respond(body: dict, message: dict, out, prompt_tokens: int):
+    from starlette.responses import JSONResponse, StreamingResponse
+
+    content: list[dict] = [{"type": "text", "text": message["content"]}] if message.get("content") else []
+    content += [{"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:20]}", "name": c["function"]["name"],
+                 "input": c["function"]["arguments"]} for c in message.get("tool_calls", [])]
+    stop = "tool_use" if message.get("tool_calls") else "max_tokens" if out.finish_reason == "length" else "end_turn"
+    reply = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
+             "model": body["model"], "content": content, "stop_reason": stop, "stop_sequence": None,
+             "usage": {"input_tokens": prompt_tokens, "output_tokens": len(out.token_ids)}}
+    if body.get("stream"):
+        return StreamingResponse(_events(reply), media_type="text/event-stream")
+    return JSONResponse(reply)
 
 
 async def _events(reply: dict):
@@ -195,5 +185,3 @@ async def _events(reply: dict):
                                   "usage": {"output_tokens": reply["usage"]["output_tokens"]}})
     yield event("message_stop", {})
 
-
-WIRE = _AnthropicWire()

@@ -9,6 +9,7 @@ characters (a 4 MB value is not echoed back, nor kept in the trajectory's ``endp
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -157,14 +158,11 @@ def lone_surrogate(value: Any) -> str | None:
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate (paired, or a lone one)
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON (use a finite number)")
-
-
 def _finite(text: str) -> float:
+    """A JSON number, refused past a float's range (``1e999``), and JSON's missing constants (``NaN``, ``Infinity``)."""
     value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise ValueError(f"the number {text[:40]} is out of range")
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is not a finite number: use finite numbers")
     return value
 
 
@@ -175,7 +173,7 @@ def json_object(raw: bytes) -> dict:
         raise RequestError(400, 'the request body is empty: send a JSON object, e.g. {"model": "policy", '
                                 '"messages": [...]}', None, "invalid_json")
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
+        body = json.loads(raw.decode("utf-8"), parse_constant=_finite, parse_float=_finite)
     except RecursionError:
         raise RequestError(400, "the request body nests JSON too deeply to parse: flatten it", None,
                            "invalid_json") from None

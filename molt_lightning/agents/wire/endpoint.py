@@ -28,7 +28,8 @@ an unknown field, garbage inside a message, tool or block, and a conversation th
 the field and the fix; unknown routes and methods get 404/405 in the wire's error shape. A turn that fails after
 checking (a context overflow, a template error) is undone: the trajectory keeps no token, span or segment break of it.
 Unknown fields are refused (they might change sampling); the fields accepted and ignored are listed in
-``openai_chat._FIELDS`` (``anthropic_messages._FIELDS``) and in docs/agents.md. Message keys other than ``role``, ``content`` and ``tool_calls`` are ignored.
+``openai_chat._FIELDS`` (``anthropic_messages._FIELDS``) and in docs/agents.md. Message keys other than ``role``,
+``content`` and ``tool_calls`` are ignored.
 
 The HTTP layer is Starlette on uvicorn (both come with vLLM); request validation and the OpenAI response shapes are
 written here by hand: they are the part no library offers without pulling in a serving engine.
@@ -40,9 +41,12 @@ import asyncio
 import logging
 import secrets
 import socket
+from functools import partial
 from typing import Any, Protocol
 
-from ...config import check_host
+from starlette.responses import JSONResponse
+
+from ...config import check_host, imported
 from ...trajectory import ContextOverflow
 from . import anthropic_messages, openai_chat
 from .checks import RequestError, check_sampling, json_object, need, short
@@ -89,24 +93,22 @@ class Endpoint:
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else f"[{host}]" if ":" in host else host
         self.root_url = f"http://{shown}:{self.sock.getsockname()[1]}"  # ANTHROPIC_BASE_URL (the SDK adds /v1)
         self.base_url = f"{self.root_url}/v1"  # OPENAI_BASE_URL
-        self._server = self._task = self._openai = self._anthropic = None
+        self._server = self._task = None
+        self._sdks: dict[str, Any] = {}  # the stock clients made so far
 
     def openai(self, api_key: str):
         """A stock ``openai.AsyncOpenAI`` for this endpoint with ``api_key``, sharing one HTTP connection pool: building
         a fresh client costs more CPU (its TLS context) than a tiny policy's whole turn."""
-        if self._openai is None:
-            import openai
-
-            self._openai = openai.AsyncOpenAI(base_url=self.base_url, api_key="unset", max_retries=0)
-        return self._openai.with_options(api_key=api_key)
+        return self._sdk("openai.AsyncOpenAI", self.base_url, api_key)
 
     def anthropic(self, api_key: str):
         """A stock ``anthropic.AsyncAnthropic`` for this endpoint with ``api_key``, sharing one connection pool."""
-        if self._anthropic is None:
-            import anthropic
+        return self._sdk("anthropic.AsyncAnthropic", self.root_url, api_key)
 
-            self._anthropic = anthropic.AsyncAnthropic(base_url=self.root_url, api_key="unset", max_retries=0)
-        return self._anthropic.with_options(api_key=api_key)
+    def _sdk(self, name: str, base_url: str, api_key: str):
+        if name not in self._sdks:  # made once (one connection pool), closed by ``stop``
+            self._sdks[name] = imported(name, "the stock client")(base_url=base_url, api_key="unset", max_retries=0)
+        return self._sdks[name].with_options(api_key=api_key)
 
     # ----- lifecycle (on the engine loop) -----
     async def start(self) -> None:
@@ -114,8 +116,8 @@ class Endpoint:
         from starlette.applications import Starlette
         from starlette.routing import Route
 
-        app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"]),
-                                Route("/v1/messages", self._messages, methods=["POST"]),
+        app = Starlette(routes=[Route("/v1/chat/completions", partial(self._turn, wire=openai_chat), methods=["POST"]),
+                                Route("/v1/messages", partial(self._turn, wire=anthropic_messages), methods=["POST"]),
                                 Route("/v1/models", self._models, methods=["GET"]),
                                 Route("/v1/models/{model:path}", self._model, methods=["GET"])],
                         exception_handlers={404: self._no_route, 405: self._no_route})
@@ -128,10 +130,9 @@ class Endpoint:
             await asyncio.sleep(0.005)
 
     async def stop(self) -> None:
-        for name in ("_openai", "_anthropic"):
-            if getattr(self, name) is not None:
-                await getattr(self, name).close()
-                setattr(self, name, None)
+        for sdk in self._sdks.values():
+            await sdk.close()
+        self._sdks.clear()
         if self._server is not None:
             self._server.should_exit = True
             await asyncio.wait_for(self._task, 10)
@@ -150,25 +151,21 @@ class Endpoint:
 
     # ----- routes -----
     async def _models(self, request):
-        from starlette.responses import JSONResponse
-
         return JSONResponse({"object": "list", "data": [_model_card(name) for name in self.model_names]})
 
     async def _model(self, request):
-        from starlette.responses import JSONResponse
-
         name = request.path_params["model"]
         if name in self.model_names:
             return JSONResponse(_model_card(name))
-        err = RequestError(404, f"the model {short(name)} does not exist: this run serves {self.model_names}", "model",
-                           "model_not_found")
-        return JSONResponse(err.body(), status_code=404)
+        return JSONResponse(self._unknown_model(name).body(), status_code=404)
+
+    def _unknown_model(self, name: str) -> RequestError:
+        return RequestError(404, f"the model {short(name)} does not exist: this run serves {self.model_names}", "model",
+                            "model_not_found")
 
     async def _no_route(self, request, exc):
         """An unknown route or method: an error in the wire's shape (Anthropic's under /v1/messages), not bare text."""
-        from starlette.responses import JSONResponse
-
-        wire = anthropic_messages.WIRE if request.url.path.startswith("/v1/messages") else openai_chat.WIRE
+        wire = anthropic_messages if request.url.path.startswith("/v1/messages") else openai_chat
         what = "route" if exc.status_code == 404 else "method for"
         err = RequestError(exc.status_code, f"no {what} {request.method} {short(request.url.path)}: this endpoint "
                                             f"serves {_ROUTES} (legacy completions, embeddings and the rest of the "
@@ -176,18 +173,10 @@ class Endpoint:
                            else "method_not_allowed")
         return JSONResponse(wire.error_body(err), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
-    async def _chat(self, request):
-        return await self._turn(request, openai_chat.WIRE)
-
-    async def _messages(self, request):
-        return await self._turn(request, anthropic_messages.WIRE)
-
     async def _turn(self, request, wire):
-        """One assistant turn for a request in ``wire``'s format (OpenAI chat completions or Anthropic messages): the
-        key names the trajectory; a refused or failed request is answered in the wire's error shape, recorded in the
-        trajectory and counted."""
-        from starlette.responses import JSONResponse
-
+        """One assistant turn for a request in ``wire``'s format (the module ``openai_chat`` or ``anthropic_messages``):
+        the key names the trajectory; a refused or failed request is answered in the wire's error shape, recorded in
+        the trajectory and counted."""
         session = self.sessions.get(wire.api_key(request))
         try:
             raw = await self._body(request)
@@ -200,8 +189,7 @@ class Endpoint:
             model = body.get("model")
             need(isinstance(model, str), "model", f"a string naming one of {self.model_names}", model)
             if model not in self.model_names:
-                raise RequestError(404, f"the model {short(model)} does not exist: this run serves "
-                                        f"{self.model_names}", "model", "model_not_found")
+                raise self._unknown_model(model)
             check_sampling(body, session.temperature)
             messages, tools, max_tokens = wire.parse(body, session.max_context, session.handles_tools)
             message, out, prompt_tokens = await session.serve(messages, max_tokens, tools)

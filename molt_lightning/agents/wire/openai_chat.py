@@ -1,7 +1,8 @@
 """OpenAI's chat completions wire (``POST /v1/chat/completions``) on the run's endpoint: the fields a request may hold,
 a request parsed into the chat messages and tools the policy's chat template renders (tool-call arguments as objects,
-the Hugging Face form), and the reply, its stream and its errors in OpenAI's shapes. ``Endpoint._turn`` serves it
-exactly like the Anthropic wire (``anthropic_messages``); what both share is in ``wire``.
+the Hugging Face form), and the reply, its stream and its errors in OpenAI's shapes. The module is a wire of
+``Endpoint._turn`` (``api_key``, ``parse``, ``error_body``, ``respond``), served exactly like the Anthropic one
+(``anthropic_messages``); what both share is in ``checks``.
 
 The shapes are written by hand from OpenAI's API reference: no library offers them without a serving engine.
 """
@@ -26,58 +27,48 @@ _FIELDS = {  # every field a chat completion request may hold, with its type; an
     "safety_identifier": "a string"}
 
 
-class _OpenAIWire:
-    """``POST /v1/chat/completions``: OpenAI's request, response, stream and error shapes."""
-
-    @staticmethod
-    def api_key(request) -> str:
-        return request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-
-    @staticmethod
-    def parse(body: dict, max_context: int, tools_ok: bool) -> tuple[list[dict], list | None, int | None]:
-        check_fields(body, _FIELDS, "the run trains on what the policy samples at its own settings, so parameters "
-                                    "that change sampling (and ones this endpoint does not know) are refused")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if body.get(name):
-                raise RequestError(400, f"{name} changes sampling and is not supported; omit it", name,
-                                   "unsupported_value")
-        if body.get("logprobs"):
-            raise RequestError(400, "logprobs are not returned here (the trainer keeps the engine's own); omit "
-                                    "logprobs", "logprobs", "unsupported_value")
-        if body.get("n") not in (None, 1):
-            raise RequestError(400, "n must be 1: the run samples the group itself (model.group_size)", "n",
-                               "unsupported_value")
-        max_tokens = check_max_tokens(body.get("max_tokens"), "max_tokens", max_context)  # None: the rest
-        max_tokens = check_max_tokens(body.get("max_completion_tokens"), "max_completion_tokens",
-                                      max_context) or max_tokens  # the newer name wins
-        tools = check_tools(body.get("tools"), body.get("tool_choice"), tools_ok)
-        messages = body.get("messages")
-        need(isinstance(messages, list) and bool(messages), "messages",
-             "a non-empty list of {'role': ..., 'content': ...}", messages)
-        return [hf_message(m, i) for i, m in enumerate(messages)], tools, max_tokens
-
-    @staticmethod
-    def error_body(err: RequestError) -> dict:
-        return err.body()
-
-    @staticmethod
-    def respond(body: dict, message: dict, out, prompt_tokens: int):
-        from starlette.responses import JSONResponse, StreamingResponse
-
-        reply = _openai_message(message)
-        finish = "tool_calls" if reply.get("tool_calls") else out.finish_reason
-        created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:16]}"
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(out.token_ids),
-                 "total_tokens": prompt_tokens + len(out.token_ids)}
-        if body.get("stream"):
-            return StreamingResponse(_chunks(cid, created, body["model"], reply, finish),
-                                     media_type="text/event-stream")
-        return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": body["model"],
-                             "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": None}],
-                             "usage": usage})
+def api_key(request) -> str:
+    return request.headers.get("authorization", "").removeprefix("Bearer ").strip()
 
 
-WIRE = _OpenAIWire()
+def parse(body: dict, max_context: int, tools_ok: bool) -> tuple[list[dict], list | None, int | None]:
+    check_fields(body, _FIELDS, "the run trains on what the policy samples at its own settings, so parameters "
+                                "that change sampling (and ones this endpoint does not know) are refused")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if body.get(name):
+            raise RequestError(400, f"{name} changes sampling and is not supported; omit it", name, "unsupported_value")
+    if body.get("logprobs"):
+        raise RequestError(400, "logprobs are not returned here (the trainer keeps the engine's own); omit "
+                                "logprobs", "logprobs", "unsupported_value")
+    if body.get("n") not in (None, 1):
+        raise RequestError(400, "n must be 1: the run samples the group itself (model.group_size)", "n",
+                           "unsupported_value")
+    max_tokens = check_max_tokens(body.get("max_tokens"), "max_tokens", max_context)  # None: the rest
+    # the newer name wins
+    max_tokens = check_max_tokens(body.get("max_completion_tokens"), "max_completion_tokens", max_context) or max_tokens
+    tools = check_tools(body.get("tools"), body.get("tool_choice"), tools_ok)
+    messages = body.get("messages")
+    need(isinstance(messages, list) and bool(messages), "messages",
+         "a non-empty list of {'role': ..., 'content': ...}", messages)
+    return [hf_message(m, i) for i, m in enumerate(messages)], tools, max_tokens
+
+
+error_body = RequestError.body  # OpenAI's error shape is the request error's own
+
+
+def respond(body: dict, message: dict, out, prompt_tokens: int):
+    from starlette.responses import JSONResponse, StreamingResponse
+
+    reply = _openai_message(message)
+    finish = "tool_calls" if reply.get("tool_calls") else out.finish_reason
+    created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:16]}"
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(out.token_ids),
+             "total_tokens": prompt_tokens + len(out.token_ids)}
+    if body.get("stream"):
+        return StreamingResponse(_chunks(cid, created, body["model"], reply, finish), media_type="text/event-stream")
+    return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": body["model"],
+                         "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": None}],
+                         "usage": usage})
 
 
 def hf_message(m: Any, i: int) -> dict:
