@@ -218,19 +218,15 @@ def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None
         for seg in traj.segments:
             ids, mask, lps, vers, turns = [], [], [], [], []
             for span in seg:
-                n = len(span.token_ids)
-                if span.kind == Kind.POLICY:
+                n, policy = len(span.token_ids), span.kind == Kind.POLICY
+                if policy:
                     _check_policy_span(span, traj.sample_id, max_version)
-                    lps += span.logprobs
-                    vers += span.versions
-                    turns += [span.turn if span.turn >= 0 else order] * n
-                    order += 1
-                else:
-                    lps += [0.0] * n
-                    vers += [-1] * n
-                    turns += [-1] * n
                 ids += span.token_ids
-                mask += [span.kind == Kind.POLICY] * n
+                mask += [policy] * n
+                lps += span.logprobs if policy else [0.0] * n
+                vers += span.versions if policy else [-1] * n
+                turns += [(span.turn if span.turn >= 0 else order) if policy else -1] * n
+                order += policy
                 if span.routing is not None and span.routing.shape[0] != n:
                     raise ConsistencyError(f"sample {traj.sample_id}: {n} tokens but {span.routing.shape[0]} "
                                            "routing rows")
@@ -249,7 +245,7 @@ def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None
     def padded(k: int, fill, dtype) -> torch.Tensor:  # one tensor per field from padded lists: no per-row copies
         return torch.tensor([r[k] + [fill] * (width - len(r[k])) for r in rows], dtype=dtype)
 
-    batch = Batch(
+    return Batch(
         input_ids=padded(0, pad_id, torch.long),
         attention_mask=torch.tensor([[True] * len(r[0]) + [False] * (width - len(r[0])) for r in rows]),
         loss_mask=padded(1, False, torch.bool),
@@ -263,7 +259,6 @@ def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None
         routing=_routing([r[6] for r in rows], width),
         images=collate_images([segment_images(r[6]) for r in rows]),
     )
-    return batch
 
 
 def _routing(segments: list[list[Span]], width: int) -> torch.Tensor | None:

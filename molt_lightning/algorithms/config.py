@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass
 class Algorithm:
@@ -93,12 +95,6 @@ class Algorithm:
             raise ValueError("algo: " + "; ".join(problems))
 
 
-def _allow_in_checkpoints() -> None:
-    """Checkpoints store the recipe's ``Algorithm`` in their hyperparameters; let ``torch.load(weights_only=True)``
-    (Lightning's default when resuming) read it back."""
-    import torch
-
-    torch.serialization.add_safe_globals([Algorithm])
-
-
-_allow_in_checkpoints()
+# checkpoints store the recipe's Algorithm in their hyperparameters: let torch.load(weights_only=True) (Lightning's
+# default when resuming) read it back
+torch.serialization.add_safe_globals([Algorithm])

@@ -95,21 +95,17 @@ def objective(inp: LossInputs, policy_loss: Callable, cfg,
     """The scalar loss to minimize and its metrics (detached scalars; ``loss/*`` are the terms that sum to it).
     ``norm``: the counts of the whole mini-batch this micro-batch belongs to (default: this one's own)."""
     mask, norm = inp.mask, norm or Norm.of(inp.mask)
-    _agg = resolve(cfg.aggregation, AGGREGATIONS, "aggregation")
-
-    def agg(x, mask, cfg):
-        return _agg(x, mask, cfg, norm)
-
+    agg = resolve(cfg.aggregation, AGGREGATIONS, "aggregation")
     per_token, metrics = policy_loss(inp, cfg)  # (N, T)
     if inp.is_weight is not None:
         per_token = inp.is_weight * per_token  # (N, T) off-policy correction
-    terms = {"loss/policy": agg(per_token, mask, cfg)}
+    terms = {"loss/policy": agg(per_token, mask, cfg, norm)}
     if inp.ref_logprobs is not None:
         kl = resolve(cfg.kl_estimator, KL_ESTIMATORS, "kl_estimator")(inp.logprobs, inp.ref_logprobs)  # (N, T)
-        terms["loss/kl"] = cfg.kl_coef * agg(kl, mask, cfg)
+        terms["loss/kl"] = cfg.kl_coef * agg(kl, mask, cfg, norm)
         metrics["kl/ref"] = masked_mean(kl.detach(), mask)
     if inp.entropy is not None:
-        terms["loss/entropy"] = -cfg.entropy_coef * agg(inp.entropy, mask, cfg)
+        terms["loss/entropy"] = -cfg.entropy_coef * agg(inp.entropy, mask, cfg, norm)
         metrics["entropy"] = masked_mean(inp.entropy.detach(), mask)
     if inp.values is not None:
         terms["loss/value"] = cfg.value_coef * 0.5 * token_mean((inp.values - inp.returns) ** 2, mask, cfg, norm)

@@ -86,8 +86,9 @@ class Evaluate(L.Callback):
 
     def held_out(self) -> list[dict]:
         """The held-out samples: all of a finite task set (``len``), else the first ``max_prompts`` of the stream;
-        repeated prompts once (``drop_seen`` then trims them to ``max_prompts``)."""
-        if self.max_prompts is None and not hasattr(self.tasks, "__len__"):
+        repeated prompts once (``select`` then trims them to ``max_prompts``)."""
+        finite = hasattr(self.tasks, "__len__")
+        if self.max_prompts is None and not finite:
             raise ValueError("Evaluate: the evaluation tasks are a stream without end: set max_prompts")
         samples, keys = [], set()
         for sample in self.tasks(self.seed):
@@ -95,19 +96,19 @@ class Evaluate(L.Callback):
             if key not in keys:
                 keys.add(key)
                 samples.append(sample)
-            if self.max_prompts is not None and len(samples) >= self.max_prompts and \
-                    not hasattr(self.tasks, "__len__"):
+            if not finite and len(samples) >= self.max_prompts:
                 break
         if not samples:
             raise ValueError("Evaluate: the evaluation tasks yielded no samples")
         return samples
 
-    def drop_seen(self, train_tasks) -> None:
-        """Drop the held-out prompts that also occur in ``train_tasks`` (when it can tell: a ``data.Tasks``), then
-        keep the first ``max_prompts``."""
-        keys = getattr(train_tasks, "keys", None)
-        if callable(keys) and "messages" in self.samples[0]:
-            seen = keys()
+    def select(self, train_tasks, fitting: bool = True) -> None:
+        """Settle the held-out prompts against the training tasks (``overlap``, see the module docstring; only a
+        ``data.Tasks`` can tell), then keep the first ``max_prompts``; outside a fit (``molt eval``) training gives
+        nothing up, so the set is the one a fit would evaluate."""
+        chats = "messages" in self.samples[0]
+        if self.overlap == "drop_from_eval" and callable(getattr(train_tasks, "keys", None)) and chats:
+            seen = train_tasks.keys()
             kept = [s for s in self.samples if prompt_key(s) not in seen]
             if not kept:
                 raise ValueError("Evaluate: every held-out prompt also occurs in the training data: evaluate on "
@@ -119,14 +120,8 @@ class Evaluate(L.Callback):
             self.dropped_seen += len(self.samples) - len(kept)
             self.samples = kept
         self.samples = self.samples[: self.max_prompts]
-
-    def select(self, train_tasks, fitting: bool = True) -> None:
-        """Settle the held-out prompts against the training tasks (``overlap``, see the module docstring); outside a
-        fit (``molt eval``) training gives nothing up, so the set is the one a fit would evaluate."""
-        if self.overlap == "drop_from_eval":
-            return self.drop_seen(train_tasks)
-        self.samples = self.samples[: self.max_prompts]
-        if fitting and callable(getattr(train_tasks, "exclude", None)) and "messages" in self.samples[0]:
+        if self.overlap == "drop_from_training" and fitting and callable(getattr(train_tasks, "exclude", None)) \
+                and chats:
             removed = train_tasks.exclude({prompt_key(s) for s in self.samples})
             self.excluded_from_training += removed
             if removed:
@@ -155,16 +150,14 @@ class Evaluate(L.Callback):
         if self.every_n_steps and pl_module.policy_version % self.every_n_steps == 0:
             self._due = True  # started at the next batch (WeightSync pushes this version after this hook)
 
-    def _collect(self, trainer) -> None:
-        """Log the round in flight if it has ended."""
-        if self._round is not None and (self._round[0] is None or self._round[0].done()):
+    def _collect(self, trainer, wait: bool = False) -> None:
+        """Log the round in flight if it has ended (``wait``: once it has)."""
+        if self._round is not None and (wait or self._round[0] is None or self._round[0].done()):
             self._finish(trainer, self._round)
             self._round = None
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self._round is not None:
-            self._finish(trainer, self._round)  # waits for it
-            self._round = None
+        self._collect(trainer, wait=True)
         if self.at_end and pl_module._started:
             pl_module.weights.settle()  # the last step's weights serve
             pl_module.source.stop()  # rollouts no longer needed: the engine is the evaluation's
@@ -181,22 +174,25 @@ class Evaluate(L.Callback):
         version = pl_module.policy_version
         if trainer.global_rank != 0:
             return None, trainer.global_step, version, candidate
-        engine, pending = pl_module.engine, pl_module.weights.pending
-        temperature = pl_module.rollout.temperature if self.temperature is None else self.temperature
-        rollout = pl_module.rollout
+        pending = pl_module.weights.pending
 
         async def round_():
             if pending is not None:  # the weights this round measures are still loading
                 await asyncio.wrap_future(pending)
-            t0 = time.perf_counter()
-            outcomes = await evaluation.run_round(
-                self.samples, self.agent or pl_module.source.agent, pl_module.sessions, k=self.k,
-                temperature=temperature, success=self.success, seed=self.seed, concurrency=self.concurrency,
-                timeout_s=rollout.agent_timeout_s)
-            return outcomes, time.perf_counter() - t0
+            return await self.run(pl_module.sessions, pl_module.source.agent, pl_module.rollout)
 
-        future = asyncio.run_coroutine_threadsafe(round_(), engine.loop)
+        future = asyncio.run_coroutine_threadsafe(round_(), pl_module.engine.loop)
         return future, trainer.global_step, version, candidate
+
+    async def run(self, sessions, agent: Callable, rollout) -> tuple[list[evaluation.Outcome], float]:
+        """One round on ``sessions``' engine (run on its loop): the outcomes and the seconds it took; ``agent`` is
+        the run's (unless this callback names its own), ``rollout`` the run's ``config.Rollout``."""
+        t0 = time.perf_counter()
+        outcomes = await evaluation.run_round(
+            self.samples, self.agent or agent, sessions, k=self.k,
+            temperature=rollout.temperature if self.temperature is None else self.temperature, success=self.success,
+            seed=self.seed, concurrency=self.concurrency, timeout_s=rollout.agent_timeout_s)
+        return outcomes, time.perf_counter() - t0
 
     def _finish(self, trainer, round_) -> None:
         future, step, version, candidate = round_
@@ -223,7 +219,9 @@ class Evaluate(L.Callback):
     def _candidate(self, trainer, pl_module) -> str | None:
         if self.keep_best is None:
             return None
-        path = os.path.join(_ckpt_dir(trainer), f"eval-candidate-v{pl_module.policy_version}.ckpt")
+        logged = trainer.logger is not None and trainer.logger.log_dir
+        folder = os.path.join(trainer.logger.log_dir if logged else trainer.default_root_dir, "checkpoints")
+        path = os.path.join(folder, f"eval-candidate-v{pl_module.policy_version}.ckpt")
         trainer.save_checkpoint(path)  # every rank (a sharded checkpoint is written by all)
         return path
 
@@ -241,12 +239,6 @@ class Evaluate(L.Callback):
             log.info("evaluation: best.ckpt now holds the weights with %s = %.4f", self.keep_best, value)
         else:
             _remove(candidate)
-
-
-def _ckpt_dir(trainer) -> str:
-    root = trainer.logger.log_dir if trainer.logger is not None and trainer.logger.log_dir else \
-        trainer.default_root_dir
-    return os.path.join(root, "checkpoints")
 
 
 def _remove(path: str) -> None:

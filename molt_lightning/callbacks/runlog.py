@@ -50,11 +50,12 @@ class QuietTerminal:
         self._redirect(self._tmp.fileno())
 
     @staticmethod
-    def _redirect(fd: int) -> None:
+    def _redirect(out: int, err: int | None = None) -> None:
+        """Point file descriptors 1 and 2 at ``out`` (2 at ``err`` when given), what was buffered flushed first."""
         sys.stdout.flush()
         sys.stderr.flush()
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
+        os.dup2(out, 1)
+        os.dup2(out if err is None else err, 2)
 
     def move_to(self, path: Path) -> None:
         """Continue the log in ``path`` (what was written so far comes along)."""
@@ -72,10 +73,7 @@ class QuietTerminal:
 
     def end(self, failed: bool) -> None:
         """Give the terminal back; after a failure, show the log's last lines and where the rest is."""
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(self.terminal.fileno(), 1)
-        os.dup2(self._saved_err, 2)
+        self._redirect(self.terminal.fileno(), self._saved_err)
         if failed:
             lines = self.path.read_text(errors="replace").splitlines()[-self.TAIL:]
             print("\n".join(lines), file=sys.stderr)

@@ -129,24 +129,19 @@ def check_recipe(model) -> None:
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"model.dtype {model.dtype!r} is not a torch floating-point dtype: use float32, bfloat16 or "
                          "float16")
-    agent, tasks = model.agent, model.tasks
-    if getattr(agent, "class_path", None):  # a class whose instances are agents; its init_args are checked when made
-        import pydoc
-
-        agent = pydoc.locate(agent.class_path).__call__  # jsonargparse imported it already
+    # a class_path: a class whose instances are the agent (or tasks(seed), e.g. molt_lightning.data.Tasks); its
+    # __call__ is what runs, its init_args are checked when it is made (jsonargparse imported it already)
+    agent, tasks = (imported(x.class_path, "class_path").__call__ if getattr(x, "class_path", None) else x
+                    for x in (model.agent, model.tasks))
     if not (inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None))):
         raise ValueError(f"model.agent {_name(agent)} is not an async function: declare it "
                          "`async def agent(client, sample)` (it awaits client.chat / client.generate)")
-    if not getattr(model.agent, "class_path", None):
+    if agent is model.agent:
         _check_call(agent, "model.agent", "(client, sample)", None, None)
-    if getattr(tasks, "class_path", None):  # a class whose instances are tasks(seed), e.g. molt_lightning.data.Tasks
-        import pydoc
-
-        tasks = pydoc.locate(tasks.class_path).__call__
     if inspect.iscoroutinefunction(tasks) or inspect.isasyncgenfunction(tasks):
         raise ValueError(f"model.tasks {_name(tasks)} is async: it must be a plain function (or generator) "
                          "`tasks(seed)` returning an iterator of samples")
-    if not getattr(model.tasks, "class_path", None):
+    if tasks is model.tasks:
         _check_call(tasks, "model.tasks", "(seed)", 0)
     folder = policy_folder(model.policy)
     if model.get("teacher") is not None:  # distillation: the teacher's folder and tokenizer, before anything starts
@@ -195,14 +190,9 @@ def main(args: list[str] | None = None) -> None:
     quiet: list[QuietTerminal] = []  # the fit's quiet terminal, once it is set up
     failed = True
     try:
-        molt_cli(quiet)(
-            AsyncRLModule,
-            save_config_kwargs={"overwrite": True},
-            parser_class=MoltParser,
-            parser_kwargs={"prog": "molt"},  # also under python -m molt_lightning.commands.cli
-            args=args,
-            auto_configure_optimizers=False,
-        )
+        molt_cli(quiet)(AsyncRLModule, save_config_kwargs={"overwrite": True}, parser_class=MoltParser, args=args,
+                        parser_kwargs={"prog": "molt"},  # also under python -m molt_lightning.commands.cli
+                        auto_configure_optimizers=False)
         failed = False
     except SystemExit as e:
         failed = e.code not in (0, None)
@@ -338,12 +328,10 @@ def evaluate_main(argv: list[str]) -> None:
 def evaluate_policy(module, evaluate) -> tuple[list, float]:
     """One round of ``evaluate`` on ``module``'s policy folder and engine, outside training."""
     import os
-    import time
 
     from transformers import AutoConfig, AutoTokenizer
 
     from ..agents.sessions import AgentSessions
-    from ..rollout.heldout import run_round
     from ..trainer.policy import policy_folder
 
     if os.path.exists(os.path.join(str(module.hparams.policy), "adapter_config.json")):
@@ -354,16 +342,10 @@ def evaluate_policy(module, evaluate) -> tuple[list, float]:
     evaluate.select(module.source.tasks, fitting=False)
     sessions = AgentSessions.for_run(module.engine, path, AutoTokenizer.from_pretrained(path), rollout,
                                      AutoConfig.from_pretrained(path))
-    temperature = rollout.temperature if evaluate.temperature is None else evaluate.temperature
     module.engine.launch(path)
     try:
         sessions.start()
-        t0 = time.perf_counter()
-        outcomes = module.engine.call(run_round(
-            evaluate.samples, evaluate.agent or module.source.agent, sessions, k=evaluate.k, temperature=temperature,
-            success=evaluate.success, seed=evaluate.seed, concurrency=evaluate.concurrency,
-            timeout_s=rollout.agent_timeout_s), timeout=None)
-        seconds = time.perf_counter() - t0
+        outcomes, seconds = module.engine.call(evaluate.run(sessions, module.source.agent, rollout), timeout=None)
         sessions.stop()
     finally:
         module.engine.release()

@@ -59,7 +59,7 @@ def conversations(path: str, template, messages: str = "messages", tools: str | 
                   max_tokens: int | None = None, drop_too_long: bool = False, limit: int | None = None
                   ) -> list[tuple[list[int], list[int]]]:
     """Every row of ``path`` checked and rendered (see the module docstring): a list of (ids, mask)."""
-    from ..data.sources import read_file  # the data sources' offline reader (datasets), with its bad-file errors
+    from ..data.sources import json_field, read_file, tool_schemas  # the data sources' reader and field checks
     from ..agents.wire.openai_chat import hf_message  # the form the endpoint hands the chat template
 
     rows = read_file(path, None)[:limit]
@@ -69,9 +69,7 @@ def conversations(path: str, template, messages: str = "messages", tools: str | 
     for i, row in enumerate(rows):
         where = f"{path}, row {i}"
         row = _present(row)
-        msgs = row.get(messages)
-        if isinstance(msgs, str):
-            msgs = _json(msgs, where, messages)
+        msgs = json_field(row.get(messages), where, messages)
         if msgs is None:
             raise ValueError(f"{where}: no field {messages!r} (the row has {sorted(row)}): set data.messages to the "
                              "field that holds the conversation")
@@ -84,14 +82,9 @@ def conversations(path: str, template, messages: str = "messages", tools: str | 
                                  "give every message a role and a content")
         if not any(m["role"] == "assistant" for m in msgs):
             raise ValueError(f"{where}: no assistant message, so nothing to learn: add the reply or drop the row")
-        schemas = row.get(tools) if tools else None
-        if isinstance(schemas, str):
-            schemas = _json(schemas, where, tools)
-        if schemas is not None and not (isinstance(schemas, list) and all(isinstance(t, dict) for t in schemas)):
-            raise ValueError(f"{where}: field {tools!r} must be a list of tool schemas "
-                             '({"type": "function", "function": {...}}), got ' + type(schemas).__name__)
+        schemas = tool_schemas(row.get(tools), where, tools) if tools else None
         try:
-            ids, mask = render(template, [hf_message(m, j) for j, m in enumerate(msgs)], schemas or None)
+            ids, mask = render(template, [hf_message(m, j) for j, m in enumerate(msgs)], schemas)
         except Exception as e:  # the endpoint's check of a message, the template's own errors (Jinja, images)
             raise ValueError(f"{where}: the policy's chat template cannot render it: {type(e).__name__}: {e}") \
                 from None
@@ -116,13 +109,6 @@ def _present(x):
     if isinstance(x, dict):
         return {k: _present(v) for k, v in x.items() if v is not None}
     return [_present(v) for v in x] if isinstance(x, list) else x
-
-
-def _json(text: str, where: str, field: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: field {field!r} is text that is not valid JSON ({e})") from None
 
 
 def data_file(spec: str) -> str:

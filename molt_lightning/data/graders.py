@@ -41,7 +41,6 @@ from typing import Any, Callable
 
 from ..config import NotImported, imported
 
-BUILTIN = ("exact", "last_number", "math", "reasoning_gym")
 INLINE = ("exact", "last_number", "regex")  # cheap and safe: no process hop
 DEFAULT_TIMEOUT_S = 10.0
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -122,15 +121,13 @@ def _math(reply: str, sample: dict) -> Verdict:
     from math_verify import parse, verify
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled" on every call: the pool has one
-    gold = parse(_as_math(sample["answer"]), parsing_timeout=None)
+    reference = str(sample["answer"])
+    if "$" not in reference and "\\boxed" not in reference:
+        reference = f"${reference}$"  # math-verify reads LaTeX between dollars
+    gold = parse(reference, parsing_timeout=None)
     got = parse(reply, parsing_timeout=None)
     answer = str(got[-1]) if got else None
     return Verdict(float(bool(got) and verify(gold, got, timeout_seconds=None)), answer)
-
-
-def _as_math(answer: Any) -> str:
-    text = str(answer)
-    return text if "$" in text or "\\boxed" in text else f"${text}$"
 
 
 def _reasoning_gym(reply: str, sample: dict) -> Verdict:
@@ -142,24 +139,24 @@ def _reasoning_gym(reply: str, sample: dict) -> Verdict:
     return Verdict(float(score), answer or None)
 
 
+BUILTIN = {"exact": (_exact, None), "last_number": (_last_number, None), "math": (_math, "math_verify"),
+           "reasoning_gym": (_reasoning_gym, "reasoning_gym")}  # name: (function, the package it needs)
+
+
 @lru_cache(maxsize=None)
 def resolve(spec: str) -> Callable[[str, dict], Verdict | float | tuple]:
     """The function behind ``spec``; raises ``ValueError`` naming the fix for a spec that does not resolve."""
-    if spec == "exact":
-        return _exact
-    if spec == "last_number":
-        return _last_number
+    if spec in BUILTIN:
+        fn, package = BUILTIN[spec]
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise ValueError(f"verifier {spec!r} needs the {package.replace('_', '-')} package: "
+                             "pip install 'molt-lightning[data]'")
+        return fn
     if spec.startswith("regex:"):
         try:
             return _regex(re.compile(spec.removeprefix("regex:")))
         except re.error as e:
             raise ValueError(f"verifier {spec!r}: the pattern does not compile ({e})") from None
-    if spec in ("math", "reasoning_gym"):
-        package = {"math": "math_verify", "reasoning_gym": "reasoning_gym"}[spec]
-        if importlib.util.find_spec(package) is None:
-            raise ValueError(f"verifier {spec!r} needs the {package.replace('_', '-')} package: "
-                             "pip install 'molt-lightning[data]'")
-        return {"math": _math, "reasoning_gym": _reasoning_gym}[spec]
     try:
         fn, why = imported(spec, "verifier"), ""
     except NotImported as e:
@@ -170,7 +167,9 @@ def resolve(spec: str) -> Callable[[str, dict], Verdict | float | tuple]:
     return fn
 
 
-def as_verdict(out: Any, spec: str) -> Verdict:
+def run(spec: str, reply: str, sample: dict) -> Verdict:
+    """``spec`` on one reply, in this process (what a worker runs)."""
+    out = resolve(spec)(reply, sample)
     if isinstance(out, Verdict):
         verdict = out
     elif isinstance(out, tuple) and len(out) == 2:
@@ -186,26 +185,15 @@ def as_verdict(out: Any, spec: str) -> Verdict:
     return verdict
 
 
-def run(spec: str, reply: str, sample: dict) -> Verdict:
-    """``spec`` on one reply, in this process (what a worker runs)."""
-    return as_verdict(resolve(spec)(reply, sample), spec)
-
-
 async def verify(spec: str, reply: str, sample: dict, timeout_s: float = DEFAULT_TIMEOUT_S) -> Verdict:
     """Score ``reply``; raises ``VerifierFailed`` when the verifier raised, hung past ``timeout_s`` or died."""
-    if spec.split(":")[0] in INLINE:
-        try:
-            return run(spec, reply, sample)
-        except VerifierFailed:
-            raise
-        except Exception as e:
-            raise VerifierFailed(f"verifier {spec} raised {type(e).__name__}: {e}") from e
-    future = _pool().schedule(run, args=(spec, reply, sample), timeout=timeout_s)
+    inline = spec.split(":")[0] in INLINE  # run here: nothing to time out or cancel
+    future = None if inline else _pool().schedule(run, args=(spec, reply, sample), timeout=timeout_s)
     try:
-        return await asyncio.wrap_future(future)
+        return run(spec, reply, sample) if inline else await asyncio.wrap_future(future)
     except VerifierFailed:
         raise
-    except TimeoutError:
+    except TimeoutError:  # the pool's deadline
         raise VerifierFailed(f"verifier {spec} did not answer within {timeout_s} s (its worker was killed)") from None
     except asyncio.CancelledError:
         future.cancel()

@@ -272,17 +272,27 @@ def _sample(source: Source, i: int, row: dict) -> dict[str, Any]:
                              "answer: to the field that holds it (or answer: null for a verifier that needs none)")
         sample["answer"] = row[source.answer]
     if source.tools is not None:
-        tools = row.get(source.tools)
-        if isinstance(tools, str):
-            try:
-                tools = json.loads(tools)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: field {source.tools!r} is not valid JSON ({e})") from None
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise ValueError(f"{where}: field {source.tools!r} must be a list of tool schemas "
-                             '({"type": "function", "function": {...}}), got ' + type(tools).__name__)
-        sample["tools"] = tools or None
+        sample["tools"] = tool_schemas(row.get(source.tools), where, source.tools)
     return sample
+
+
+def json_field(value: Any, where: str, field: str) -> Any:
+    """A field's value, parsed when it is JSON text (a list stored as a string)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: field {field!r} is text that is not valid JSON ({e})") from None
+
+
+def tool_schemas(value: Any, where: str, field: str) -> list[dict] | None:
+    """A row's tool schemas (a list, or its JSON text), checked; None for none (``molt sft`` reads them too)."""
+    tools = json_field(value, where, field)
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError(f"{where}: field {field!r} must be a list of tool schemas "
+                         '({"type": "function", "function": {...}}), got ' + type(tools).__name__)
+    return tools or None
 
 
 def _fields(row: dict) -> list[str]:

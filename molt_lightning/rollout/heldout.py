@@ -81,13 +81,18 @@ def interval(values: Iterable[float], level: float = LEVEL) -> tuple[float, floa
     return mean, mean - half, mean + half
 
 
+def by_prompt(outcomes: list[Outcome]) -> dict[str, dict[int, list[Outcome]]]:
+    """The runs of each source's prompts: ``{source: {prompt: [outcome, ...]}}``, in the order first seen."""
+    runs: dict[str, dict[int, list[Outcome]]] = defaultdict(lambda: defaultdict(list))
+    for o in outcomes:
+        runs[o.source][o.prompt].append(o)
+    return runs
+
+
 def summarize(outcomes: list[Outcome], k: int) -> dict[str, dict[str, float]]:
     """Metrics per source (see the module docstring), each metric ``m`` with ``m_lo`` and ``m_hi``."""
-    by_source: dict[str, dict[int, list[Outcome]]] = defaultdict(lambda: defaultdict(list))
-    for o in outcomes:
-        by_source[o.source][o.prompt].append(o)
     out = {}
-    for source, prompts in by_source.items():
+    for source, prompts in by_prompt(outcomes).items():
         runs = list(prompts.values())
         per_prompt = {f"avg@{k}": [np.mean([o.reward for o in r]) for r in runs],
                       "pass@1": [pass_at_k(len(r), sum(o.correct for o in r), 1) for r in runs]}
@@ -109,10 +114,7 @@ def summarize(outcomes: list[Outcome], k: int) -> dict[str, dict[str, float]]:
 
 def per_prompt_rewards(outcomes: list[Outcome]) -> dict[str, list[float]]:
     """Each source's mean reward per prompt, in prompt order (the unit a before/after comparison takes)."""
-    runs: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for o in outcomes:
-        runs[o.source][o.prompt].append(o.reward)
-    return {s: [float(np.mean(p[i])) for i in sorted(p)] for s, p in runs.items()}
+    return {s: [float(np.mean([o.reward for o in p[i]])) for i in sorted(p)] for s, p in by_prompt(outcomes).items()}
 
 
 async def run_round(samples: list[dict], agent: Callable, sessions: AgentSessions, *, k: int, temperature: float,
@@ -130,18 +132,15 @@ async def run_round(samples: list[dict], agent: Callable, sessions: AgentSession
         async with gate:
             why = await run_agent(agent, sessions, traj, request_seed(seed, i, member), timeout_s,
                                   temperature=temperature)
+        versions = [v for span in traj.policy_spans() for v in span.versions or []]
+        span = (min(versions), max(versions)) if versions else None
         if why is not None:  # an evaluation run that fails scores 0, counted
-            return Outcome(source, i, 0.0, False, failed=why, versions=_versions(traj))
+            return Outcome(source, i, 0.0, False, failed=why, versions=span)
         answer = traj.info.get("answer")
         return Outcome(source, i, traj.reward, traj.reward >= success, None if answer is None else str(answer),
-                       versions=_versions(traj))
+                       versions=span)
 
     return list(await asyncio.gather(*[one(i, s, m) for i, s in enumerate(samples) for m in range(k)]))
-
-
-def _versions(traj: Trajectory) -> tuple[int, int] | None:
-    versions = [v for span in traj.policy_spans() for v in (span.versions or [])]
-    return (min(versions), max(versions)) if versions else None
 
 
 def report(round_metrics: dict[str, dict[str, float]], k: int) -> str:

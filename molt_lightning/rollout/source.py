@@ -25,7 +25,7 @@ copy (``counts_now``).
 Sampling is seeded per request: turn ``k`` of member ``j`` of prompt ``i`` asks for its own seed, derived from
 (``task_seed``, ``i``, ``j``) plus ``k``, so what a prompt's agents sample does not depend on which requests the engine
 batched together. With the torch engine and ``max_lag=0`` a run is then reproducible, including one resumed from a
-checkpoint (vLLM ignores the seeds: see ``engines.vllm_engine``).
+checkpoint (vLLM ignores the seeds: see ``engines.vllm.engine``).
 
 Agents run on the engine's loop, a background thread of the trainer's process. Python hands the interpreter lock
 between threads every 5 ms, and a trainer thread that releases it around every torch op may wait that long each time
@@ -146,7 +146,7 @@ class RolloutSource:
     # ----- consumer (trainer thread) -----
     def next_batch(self, trainer_version: int) -> list[Trajectory]:
         """Block until ``prompts_per_step`` usable groups no older than ``max_lag`` are ready; return their samples."""
-        if self.engine.version < trainer_version - self.rollout.max_lag:  # only the trainer pushes: waiting = forever
+        if self.admission.too_old(self.engine.version, trainer_version):  # only the trainer pushes: waiting = forever
             raise RuntimeError(
                 f"the engine serves policy version {self.engine.version} but the trainer is at {trainer_version}: "
                 f"with max_lag={self.rollout.max_lag} nothing it generates could be trained on. Push weights at "
@@ -183,9 +183,14 @@ class RolloutSource:
                                      "with --ckpt_path last (the checkpoint callback's last.ckpt) or a checkpoint file")
             stale = [(order, group) for order, group in self._ready
                      if self.admission.too_old(min(t.oldest_version for t in group), trainer_version)]
-            for item in stale:
-                self._ready.remove(item)
-                self._drop_stale(item[1], trainer_version)
+            for order, group in stale:
+                self._ready.remove((order, group))
+                self.counts.dropped_stale_groups += 1
+                self.counts.dropped_stale_samples += len(group)
+                log.warning("dropped a group of sample %d: oldest token version %d, trainer %d, max_lag %d "
+                            "(prompt queued again)", group[0].sample_id, min(t.oldest_version for t in group),
+                            trainer_version, self.rollout.max_lag)
+                self.admission.retry.append((group[0].sample_id, group[0].sample))
             if stale:
                 self.wake()  # their slots are free: the producer starts their prompts again
             if len(self._ready) >= self.rollout.prompts_per_step:
@@ -197,14 +202,6 @@ class RolloutSource:
         with self._cond:
             self.counts.buffered_groups = len(self._ready)
             return copy.deepcopy(self.counts)
-
-    def _drop_stale(self, group: Group, trainer_version: int) -> None:
-        self.counts.dropped_stale_groups += 1
-        self.counts.dropped_stale_samples += len(group)
-        log.warning("dropped a group of sample %d: oldest token version %d, trainer %d, max_lag %d "
-                    "(prompt queued again)", group[0].sample_id, min(t.oldest_version for t in group), trainer_version,
-                    self.rollout.max_lag)
-        self.admission.retry.append((group[0].sample_id, group[0].sample))
 
     # ----- checkpoint state -----
     def state_dict(self) -> dict:
