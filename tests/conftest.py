@@ -54,14 +54,13 @@ def vllm_engine(policy_path):
     engine.release()
 
 
-LORA = {"r": 8, "alpha": 16, "target_modules": "all-linear"}  # the adapter the session's LoRA engine serves
-
-
 @pytest.fixture(scope="session")
 def lora_lm(policy_path):
     """The HF PeftModel (``LORA`` on the tiny policy) whose adapter the session's LoRA engine serves."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from modules import LORA
 
     from molt_lightning.policies import lora
 

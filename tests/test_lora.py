@@ -21,7 +21,7 @@ from invariant import Batches, check_trained_tokens, record_generations  # noqa:
 from test_engines import generate_all, prompts  # noqa: E402,F401  (the shared prompt fixture)
 from test_loop import fit, make  # noqa: E402
 
-from conftest import LORA  # noqa: E402  (the session's LoRA engine serves this adapter)
+from modules import LORA  # noqa: E402  (the session's LoRA engine serves this adapter)
 
 SPEC = lora.LoraSpec(**LORA)
 

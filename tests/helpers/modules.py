@@ -1,6 +1,7 @@
 """``make_module``: an ``AsyncRLModule`` for a test, on the default calculator task unless told otherwise. Flat keyword
 arguments (``max_lag=0``, ``lr=1e-2``, ``micro_batch_tokens=200``) go into the record that holds them
 (``molt_lightning.config``), so a test names only what it changes; recipes and the golden test use the records.
+``LORA``: the adapter the session's LoRA engine (tests/conftest.py) serves.
 ``running``: a rollout source producing on an engine outside a module (what the module's start and stop do)."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from molt_lightning import AsyncRLModule, Batching, MoE, Optim, Rollout
 from molt_lightning.agents.sessions import AgentSessions
 from molt_lightning.tasks import arithmetic
 
+LORA = {"r": 8, "alpha": 16, "target_modules": "all-linear"}  # the adapter the session's LoRA engine serves
 RECORDS = {"rollout": Rollout, "optim": Optim, "batching": Batching, "moe": MoE}
 
 
