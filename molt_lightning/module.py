@@ -15,7 +15,8 @@ The loop, step by step (``training_step`` reads like this):
    piece a pure function from ``algorithms``) normalized by mini-batch-wide counts, and a backward; then one
    optimizer step per mini-batch;
 5. the policy version (rollout batches trained, i.e. weight pushes; not optimizer steps) goes up by one and the
-   ``WeightSync`` callback pushes the new weights, tagged with it, through the weight flow (``trainer.weights.WeightFlow``).
+   ``WeightSync`` callback pushes the new weights, tagged with it, through the weight flow
+   (``trainer.weights.WeightFlow``).
 
 The module connects the two flows: the rollout side (``source``: data from the engine to the trainer) and the weight
 flow (``weights``: weights from the trainer to the engine). Everything else is a callback. Deliberately not here: a
@@ -77,12 +78,14 @@ class AsyncRLModule(L.LightningModule):
                 instance with such an ``async __call__`` (``agents.EnvAgent``: an environment as an agent).
             tasks: ``tasks(seed) -> iterator of samples``; each sample is handed to ``rollout.group_size`` agent runs.
             policy: a Hugging Face model folder, or the dotted path of a function that returns one.
-            engine: the rollout engine (``VLLMEngine``, ``TorchEngine``, ``EnginePool``, ...); default ``TorchEngine()``.
+            engine: the rollout engine (``VLLMEngine``, ``TorchEngine``, ``EnginePool``, ...); default
+                ``TorchEngine()``.
             rollout, algo, optim, batching, moe: the recipe's records (``config``, ``algorithms.Algorithm``).
             lora: train a LoRA adapter (peft) instead of every weight; only the adapter syncs (``policies.lora``).
             dtype: the trainer's parameter dtype; ``bfloat16`` works on the CPU but runs slower there.
             torch_threads: intra-op threads for the trainer (``torch.set_num_threads``); None leaves torch's default.
-            teacher: on-policy distillation's frozen teacher (like ``policy``; the same tokenizer), ``algo.distill_coef``.
+            teacher: on-policy distillation's frozen teacher (like ``policy``; the same tokenizer),
+                ``algo.distill_coef``.
             verify_weights: check after every sync that the engine serves what was sent (fingerprints: engines.md).
         """
         super().__init__()
@@ -190,7 +193,7 @@ class AsyncRLModule(L.LightningModule):
         payload = parallel.broadcast(payload, self.trainer)
         if isinstance(payload, Exception):
             raise payload
-        return collate(payload, self.tokenizer.pad_token_id, max_version=version)
+        return collate(payload, self.tokenizer.pad_token_id, max_version=version, max_lag=self.rollout.max_lag)
 
     # ----- the loop -----
     def training_step(self, dataloader_iter: Iterator) -> dict[str, Any]:

@@ -206,7 +206,8 @@ class Batch:
         return Batch(**{**vars(self), **moved})
 
 
-def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None = None) -> Batch:
+def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None = None, max_lag: int | None = None
+            ) -> Batch:
     """Build the padded batch, checking the invariant on every trained token."""
     rows = []
     for t_idx, traj in enumerate(trajectories):
@@ -220,7 +221,7 @@ def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None
             for span in seg:
                 n, policy = len(span.token_ids), span.kind == Kind.POLICY
                 if policy:
-                    _check_policy_span(span, traj.sample_id, max_version)
+                    _check_policy_span(span, traj.sample_id, max_version, max_lag)
                 ids += span.token_ids
                 mask += [policy] * n
                 lps += span.logprobs if policy else [0.0] * n
@@ -293,13 +294,13 @@ def _check_row_images(ids: list[int], images: ImageInputs | None, sample_id: int
                                "the image placeholder (the client fails such trajectories)")
 
 
-def _check_policy_span(span: Span, sample_id: int, max_version: int | None) -> None:
+def _check_policy_span(span: Span, sample_id: int, max_version: int | None, max_lag: int | None) -> None:
     n = len(span.token_ids)
     if span.logprobs is None or span.versions is None or len(span.logprobs) != n or len(span.versions) != n:
         raise ConsistencyError(f"sample {sample_id}: policy tokens without a full engine record (logprob, version)")
     if not all(math.isfinite(x) and x <= 1e-4 for x in span.logprobs):
         raise ConsistencyError(f"sample {sample_id}: engine logprobs must be finite and <= 0, got {span.logprobs}")
-    if n and (min(span.versions) < 0 or (max_version is not None and max(span.versions) > max_version)):
-        raise ConsistencyError(
-            f"sample {sample_id}: token versions {sorted(set(span.versions))} outside [0, trainer {max_version}]"
-        )
+    oldest = 0 if max_version is None or max_lag is None else max(max_version - max_lag, 0)
+    if n and (min(span.versions) < oldest or (max_version is not None and max(span.versions) > max_version)):
+        raise ConsistencyError(f"sample {sample_id}: token versions {sorted(set(span.versions))} outside [{oldest}, "
+                               f"trainer {max_version}] (max_lag {max_lag})")

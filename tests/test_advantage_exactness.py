@@ -52,7 +52,8 @@ def batches(draw):
             equal.append(same)
             turn_rewards.append(steps[:k] + [math.nan] * (K - k))
             turn_keys.append(list(range(k)) + [-1] * (K - k))  # state = turn index
-            tokens = sorted(j % k for j in range(draw(st.integers(1, 5)))) if not same else sorted(j % k for j in range(k))
+            tokens = (sorted(j % k for j in range(draw(st.integers(1, 5)))) if not same
+                      else sorted(j % k for j in range(k)))
             token_turns.append(tokens + [-1] * (T - len(tokens)))
     turns = torch.tensor(token_turns)
     return AdvantageInputs(torch.tensor(rewards), torch.tensor(groups), torch.arange(len(rewards)), turns >= 0,

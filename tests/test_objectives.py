@@ -230,7 +230,8 @@ def test_outcomes_place_an_outcome_reward_on_the_last_turn_and_number_the_keys()
     batch = collate([traj(3, 1.0), traj(2, 0.5, turn_rewards=[0.25, 0.25], turn_keys=["a", "b"]),
                      traj(1, 0.0, turn_keys=["b"], status=Status.TRUNCATED)], pad_id=0)
     out = batch.outcomes
-    assert torch.allclose(out.turn_rewards, torch.tensor([[0, 0, 1.0], [0.25, 0.25, math.nan], [0, math.nan, math.nan]]),
+    assert torch.allclose(out.turn_rewards,
+                          torch.tensor([[0, 0, 1.0], [0.25, 0.25, math.nan], [0, math.nan, math.nan]]),
                           equal_nan=True)
     assert out.turn_keys.tolist() == [[-1, -1, -1], [0, 1, -1], [1, -1, -1]]
     assert out.turns.tolist() == [3, 2, 1] and out.truncated.tolist() == [False, False, True]

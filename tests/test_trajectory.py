@@ -46,6 +46,10 @@ def test_impossible_versions_and_logprobs_raise():
     ok_prompt = Span.context(Kind.PROMPT, [1])
     with pytest.raises(ConsistencyError, match="outside"):
         collate([traj([[ok_prompt, Span.policy([2], [-0.1], [5])]])], PAD, max_version=4)
+    stale = [traj([[ok_prompt, Span.policy([2, 3], [-0.1, -0.2], [1, 2])]])]  # the staleness bound, where batches form
+    assert collate(stale, PAD, max_version=3, max_lag=2).versions.max() == 2
+    with pytest.raises(ConsistencyError, match=r"outside \[2, trainer 3\] \(max_lag 1\)"):
+        collate(stale, PAD, max_version=3, max_lag=1)
     with pytest.raises(ConsistencyError, match="finite"):
         collate([traj([[ok_prompt, Span.policy([2], [math.nan], [0])]])], PAD)
     with pytest.raises(ConsistencyError, match="starts with a policy token"):

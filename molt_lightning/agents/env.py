@@ -64,7 +64,8 @@ def check_environment(env_cls: Any, env_kwargs: dict | None = None,
     name = f"{getattr(env_cls, '__module__', '?')}.{getattr(env_cls, '__qualname__', env_cls)}"
     if not (isinstance(env_cls, type) and issubclass(env_cls, Environment)):
         raise ValueError(f"{key} {name} is not an Environment: give the dotted path of a class that subclasses "
-                         "molt_lightning.agents.env.Environment (e.g. molt_lightning.tasks.arithmetic_env.CalculatorEnv)")
+                         "molt_lightning.agents.env.Environment (e.g. "
+                         "molt_lightning.tasks.arithmetic_env.CalculatorEnv)")
     if inspect.isabstract(env_cls):
         missing = ", ".join(sorted(env_cls.__abstractmethods__))
         raise ValueError(f"{key} {name} is abstract: implement {missing} (async methods)")

@@ -41,11 +41,11 @@ distillation, 2025).
 Every group, batch and token statistic is exact on equal values (``group_stats``, ``whiten``): a group whose rewards
 are all equal has exactly zero advantage, whatever the rewards (tested with continuous rewards for every estimator).
 
-Deviations: ``reinforce_pp_baseline`` does not re-centre the group-centred returns on their token-weighted batch
-mean (verl and OpenRLHF do): that mean is not 0 when rows differ in length, and subtracting it would give an
-all-equal group a non-zero advantage. std is the unbiased sample std (as TRL and verl); a group (or batch) of one has std 0, so its advantage
-is 0. REINFORCE++ here has no KL-in-reward term: use ``kl_coef`` (KL in the loss) instead. GAE treats each row (a
-segment) as one episode: the trajectory reward arrives at the row's last policy token, prompt and tool tokens are not
+Deviations: ``reinforce_pp_baseline`` does not re-centre the group-centred returns on their token-weighted batch mean
+(verl and OpenRLHF do): that mean is not 0 when rows differ in length, and subtracting it would give an all-equal group
+a non-zero advantage. std is the unbiased sample std (as TRL and verl); a group (or batch) of one has std 0, so its
+advantage is 0. REINFORCE++ here has no KL-in-reward term: use ``kl_coef`` (KL in the loss) instead. GAE treats each row
+(a segment) as one episode: the trajectory reward arrives at the row's last policy token, prompt and tool tokens are not
 steps (the next policy token's value is bootstrapped across them).
 """
 

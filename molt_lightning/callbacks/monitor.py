@@ -1,5 +1,5 @@
-"""``RolloutMonitor``: logs what the rollout side and the engine did during each step, and re-checks the staleness
-bound on the batch just trained.
+"""``RolloutMonitor``: logs what the rollout side and the engine did during each step (the staleness bound is checked
+once, where the batch is built: ``trajectory.collate``).
 
 Per step, from the rollout source's counts (``rollout.RolloutCounts``; rank 0, which owns the source): samples
 finished, ok, truncated, failed, trained, dropped (stale, filtered, empty groups), each new this step and as a
@@ -20,7 +20,6 @@ from dataclasses import fields
 import lightning as L
 
 from ..rollout.source import RolloutCounts
-from ..trajectory import ConsistencyError
 
 COUNTS = [f.name for f in fields(RolloutCounts) if f.type == "int" and f.name != "buffered_groups"]
 
@@ -34,11 +33,7 @@ class RolloutMonitor(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         now = time.perf_counter()
         wall, self._last = now - self._last, now
-        b = outputs["batch"]
-        lag = (pl_module.policy_version - 1) - b.versions[b.loss_mask]  # versions seen by the step that just ran
-        if lag.numel() and int(lag.max()) > pl_module.rollout.max_lag:
-            raise ConsistencyError(f"trained on a token {int(lag.max())} versions old; max_lag is "
-                                   f"{pl_module.rollout.max_lag}")
+        b = outputs["batch"]  # its tokens' versions were checked where it was built (trajectory.collate)
         overhead = max(0.0, wall - outputs["trainer_idle_s"] - outputs["train_compute_s"]
                        - outputs.get("weight_sync_s", 0.0))
         metrics = {"perf/step_time_s": wall, "perf/trainer_idle_s": outputs["trainer_idle_s"],

@@ -6,10 +6,10 @@ Every Trainer flag works (``--trainer.max_steps 3``); ``--trainer.strategy`` is 
 own or ``--trainer.enable_progress_bar false``; a summary closes the run (``RunSummary``). On a terminal (or with
 ``MOLT_QUIET=1``) that is all the terminal shows: everything else goes to ``molt.log`` in the run folder
 (``callbacks.runlog``). Checkpoints are written atomically, a full disk named
-(``callbacks.checkpoint.AtomicCheckpointIO``), unless the recipe brings its own ``CheckpointIO``. ``molt serve``
-starts a vLLM server for ``RemoteVLLMEngine``/``EnginePool`` (``molt_lightning.commands.serve``); ``molt export`` writes a
-checkpoint as a Hugging Face folder (``molt_lightning.commands.export``); ``molt eval`` runs a recipe's ``Evaluate`` alone on a
-policy folder or a checkpoint (``evaluate_main``).
+(``callbacks.checkpoint.AtomicCheckpointIO``), unless the recipe brings its own ``CheckpointIO``. ``molt serve`` starts
+a vLLM server for ``RemoteVLLMEngine``/``EnginePool`` (``molt_lightning.commands.serve``); ``molt export`` writes a
+checkpoint as a Hugging Face folder (``molt_lightning.commands.export``); ``molt eval`` runs a recipe's ``Evaluate``
+alone on a policy folder or a checkpoint (``evaluate_main``).
 
 A bad recipe is answered before anything starts, with the problem and its fix and no traceback: jsonargparse's
 parse errors (YAML syntax, unknown keys, wrong types, dotted paths that do not import or are the wrong kind of
@@ -35,8 +35,8 @@ from ..config import imported
 EXAMPLES = {  # what a parser key takes, for the fix line of its errors
     "model.agent": "the dotted path of an `async def agent(client, sample) -> reward`, importable where molt runs "
                    "(e.g. molt_lightning.tasks.arithmetic.calculator_agent), or a class_path whose instances are "
-                   "such agents, with its init_args (e.g. molt_lightning.agents.env.EnvAgent with init_args {environment: "
-                   "molt_lightning.tasks.arithmetic_env.CalculatorEnv})",
+                   "such agents, with its init_args (e.g. molt_lightning.agents.env.EnvAgent with init_args "
+                   "{environment: molt_lightning.tasks.arithmetic_env.CalculatorEnv})",
     "model.tasks": "the dotted path of a function `tasks(seed)` returning an iterator of samples "
                    "(e.g. molt_lightning.tasks.arithmetic.tasks), or molt_lightning.data.Tasks with its data sources "
                    "under init_args (e.g. {class_path: molt_lightning.data.Tasks, init_args: {sources: [{path: "
@@ -175,7 +175,8 @@ def main(args: list[str] | None = None) -> None:
         from .export import main as export
 
         return export(argv[1:])
-    if argv[:1] == ["eval"]:  # `molt eval --config RECIPE`: the recipe's evaluation alone (molt_lightning.rollout.heldout)
+    if argv[:1] == ["eval"]:
+        # `molt eval --config RECIPE`: the recipe's evaluation alone (molt_lightning.rollout.heldout)
         return evaluate_main(argv[1:])
     if argv[:1] == ["sft"]:  # `molt sft --config RECIPE`: supervised fine-tuning (molt_lightning.commands.sft)
         from .sft import main as sft

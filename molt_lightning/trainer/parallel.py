@@ -9,8 +9,8 @@ Ranks and engines (the one place that says it):
   We chose one source over a share of prompts per rank because the staleness bound is about one engine's version and
   one consumption counter: with a single source ``max_lag`` stays exactly what it is in one process, and a rank can
   never run ahead of the engine. The price is one broadcast per step.
-- **Weight sync** (``molt_lightning.trainer.weights``) gathers full tensors bucket by bucket (under FSDP2 every rank takes part
-  in each all-gather), and rank 0 stages each bucket into the engine and commits the version at the end.
+- **Weight sync** (``molt_lightning.trainer.weights``) gathers full tensors bucket by bucket (under FSDP2 every rank
+  takes part in each all-gather), and rank 0 stages each bucket into the engine and commits the version at the end.
 - **Gradients**: the loss is normalized by batch-wide counts (``batching.Norm``) and multiplied by the world size,
   because DDP and FSDP2 average gradients over ranks; so the gradient equals the single-process one.
 

@@ -221,7 +221,8 @@ class Endpoint:
             got = f"{int(size):,} bytes" if size.isdigit() else f"over {self.max_body:,} bytes"
             raise RequestError(413, f"the request body is {got}, more than this endpoint takes ({self.max_body:,} "
                                     "bytes): shorten the conversation or its tool results, or raise the limit "
-                                    "(molt_lightning.agents.wire.endpoint.Endpoint.MAX_BODY = ... before the run starts)", None,
+                                    "(molt_lightning.agents.wire.endpoint.Endpoint.MAX_BODY = ... before the run "
+                                    "starts)", None,
                                    "request_too_large")
         return b"".join(chunks)
 

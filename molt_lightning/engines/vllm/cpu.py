@@ -182,8 +182,9 @@ _PLAIN = ("NoneType", "UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")  
 def apply(model, steps: Iterable[tuple[torch.nn.Module, str, list]], ready: Mapping[int, tuple] | None = None
           ) -> int:
     """Carry out ``plan``'s steps (see the module docstring); layers are packed by their own
-    ``quant_method.process_weights_after_loading``, as vLLM's loader does. ``ready`` (``Prepacked.ready``): kernels already
-    packed from this update, by ``id`` of their layer, swapped in instead of packed here. Returns how many were."""
+    ``quant_method.process_weights_after_loading``, as vLLM's loader does. ``ready`` (``Prepacked.ready``): kernels
+    already packed from this update, by ``id`` of their layer, swapped in instead of packed here. Returns how many
+    were."""
     ready, used = ready or {}, 0
     repack: dict[int, torch.Tensor] = {}  # kept weights that just changed (by id): their kernels are packed again
     for m, pname, parts in steps:

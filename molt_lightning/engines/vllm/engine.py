@@ -129,7 +129,8 @@ class VLLMEngine(VLLMPhases):
         )
         before = self.reaper.children()
         try:
-            with cpu.bound_to(self.cpu_threads if on_cpu else None):  # the engine's processes inherit the binding; this one gets its own back
+            # the engine's processes inherit the binding; this one gets its own back
+            with cpu.bound_to(self.cpu_threads if on_cpu else None):
                 self.llm = AsyncLLM.from_engine_args(args)
             self.reaper.watch(self.reaper.children() - before)
         except RuntimeError as e:
