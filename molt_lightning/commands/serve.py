@@ -11,7 +11,7 @@ vLLM's platform needs (float32 and ``--enforce-eager`` on the CPU; vLLM's own ch
 
 ``--nccl`` (GPU servers) also enables vLLM's NCCL weight-transfer engine (``--weight-transfer-config
 {"backend": "nccl"}``), for ``RemoteVLLMEngine(channel="nccl")``: the trainer joins the server's workers in an NCCL
-group through ``/init_weight_transfer_engine`` and broadcasts each update (``engines/nccl_channel.py``). The
+group through ``/init_weight_transfer_engine`` and broadcasts each update (``engines/vllm/nccl.py``). The
 workers dial the trainer's rendezvous address and port, so that port must be open from the server to the trainer.
 
 Access: the server binds loopback unless ``--host`` says otherwise. vLLM's own ``--api-key`` guards only the

@@ -14,7 +14,7 @@ sample onto one column: ``min(numel, SAMPLES)`` elements. The checksum is ``sum(
 their order, exact in float64 (``math.fsum``; a float32 value times a weight below 2**9 is exact), so it is the same
 on every machine and device, and one changed sample or two swapped ones change it. Few columns, many rows: an engine
 whose linear layers are repacked for its kernels (vLLM on the CPU) reads the samples back through the kernel itself,
-one probe input per column (``vllm_worker``).
+one probe input per column (``engines/vllm/readback.py``).
 
 Dtypes: an engine may serve another dtype than the trainer's (float32 trained, bfloat16 served), so the trainer keeps
 its sampled values (``Sample``) and checks them cast to the dtype the engine reports, exactly as the engine's own load

@@ -21,7 +21,7 @@ Pieces, one each:
   with the same top-k set) and the expert load's worst violation (max over experts of load / mean load - 1).
 
 Who records: the torch engine (``RoutingCapture``'s hooks) and ``VLLMEngine(capture_routing=True)`` (capture
-functions on vLLM's routers, mapped back to requests in ``engines/vllm_worker.py``; vLLM's own
+functions on vLLM's routers, mapped back to requests in ``engines/vllm/worker.py``; vLLM's own
 ``enable_return_routed_experts`` needs Model Runner V2, i.e. Triton, which the CPU build lacks).
 
 Deliberate deviations: the record is the engine's *first* computation of each position (a multi-turn prompt's

