@@ -1,6 +1,10 @@
 """Shared fixtures: the embedded tiny policy (built once per machine), one real vLLM engine per policy kind per test
 session (dense, LoRA, mixture-of-experts: each tests puts back the weights it changed), and two ``molt serve``
-servers on loopback (started together on first use) with a remote engine on the first."""
+servers on loopback (started together on first use) with a remote engine on the first.
+
+A shared engine is stopped after the last test of the last file that names it (``pytest_runtest_teardown``), not at
+the session's end: five engines alive at once beside a later file's own (the SmolLM2 recipe's 8 GB trainer) ran a
+24 GiB machine out of memory (CI killed the suite at 87%)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,30 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+
+SHARED = ("vllm_engine", "vllm_lora_engine", "vllm_moe_engine", "molt_servers")  # each a few GB while it lives
+_last_user: dict[str, str] = {}  # shared fixture -> node id of the last collected test of the last file naming it
+
+
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection and any reordering
+def pytest_collection_modifyitems(items) -> None:
+    """Find each shared engine's last user: a test that requests it, or any test of a file that names it (tests
+    that ``request.getfixturevalue`` it by name)."""
+    texts: dict[Path, str] = {}
+    for item in items:
+        text = texts.setdefault(item.path, item.path.read_text(encoding="utf-8"))
+        for name in SHARED:
+            if name in getattr(item, "fixturenames", ()) or name in text:
+                _last_user[name] = item.nodeid
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem) -> None:
+    """Stop the shared engines whose last user just ran (their fixtures' own teardown, and what depends on them)."""
+    for name, last in _last_user.items():
+        if last == item.nodeid:
+            for fixturedef in item.session._fixturemanager.getfixturedefs(name, item) or ():
+                fixturedef.finish(item._request)
 
 
 @pytest.fixture(scope="session")
