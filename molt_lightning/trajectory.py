@@ -138,6 +138,15 @@ class Trajectory:
         return self
 
 
+def repeats(trajectories: list[Trajectory]) -> int:
+    """How many of ``trajectories`` repeat an earlier one of their group token for token (all their policy tokens, in
+    order): a group of G with d distinct completions repeats G - d. Its share of a batch is ``samples/duplicates``:
+    engines that sample from one random stream raise it (half of a group's samples were copies with two servers
+    seeded alike), and so does a policy that has become sure of its answer."""
+    return len(trajectories) - len({(t.group_id, tuple(x for s in t.policy_spans() for x in s.token_ids))
+                                    for t in trajectories})
+
+
 @dataclass
 class Outcomes:
     """Per trajectory of a batch (M of them, in ``Batch.trajectories`` order): what the advantages are made of.

@@ -92,3 +92,17 @@ def test_step_time_split_puts_slow_callbacks_in_overhead(tmp_path):
     # the sleep of step s (1-based global_step after it) ends step s's wall time: odd global steps, i.e. rows 0, 2, 4
     slow, fast = df["perf/overhead_s"].iloc[[2, 4]], df["perf/overhead_s"].iloc[[1, 3, 5]]
     assert (slow >= 0.3).all() and (fast < 0.3).all() and (df["perf/train_compute_s"] < 0.3).all()
+
+
+def test_run_summary_names_duplicate_completions_when_they_are_many():
+    from types import SimpleNamespace
+
+    from molt_lightning.callbacks.runlog import DUPLICATES_NOTED, RunSummary
+
+    summary, trainer = RunSummary(first=2, last=2), SimpleNamespace(callback_metrics={}, logger=None)
+    summary.step_times, summary.rewards = [1.0] * 4, [0.5] * 4
+    summary.duplicates = [0.5, 0.6, 0.1, 0.2]  # steps 0-1: 55%, the last two: 15%
+    assert "duplicates: 55% of a group's completions repeated another one (steps 0-1) -> 15% (the last 2)" \
+        in summary.text(trainer)
+    summary.duplicates = [DUPLICATES_NOTED - 0.01] * 4
+    assert "duplicates" not in summary.text(trainer)

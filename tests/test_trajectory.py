@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from molt_lightning.trajectory import ConsistencyError, Kind, Span, Status, Trajectory, collate
+from molt_lightning.trajectory import ConsistencyError, Kind, Span, Status, Trajectory, collate, repeats
 
 PAD = 0
 
@@ -75,3 +75,16 @@ def test_oldest_version_spans_segments():
     t = traj([[Span.context(Kind.PROMPT, [1]), Span.policy([2, 3], [-0.1, -0.1], [4, 5])],
               [Span.context(Kind.PROMPT, [1]), Span.policy([2], [-0.1], [3])]])
     assert t.oldest_version == 3 and t.num_policy_tokens == 3 and t.status == Status.OK
+
+
+def test_repeats_counts_the_copies_within_each_group_by_every_policy_token():
+    def run(group, *policy, prompt=(1,)):  # a completion: its policy spans' tokens; the prompt does not count
+        return traj([[Span.context(Kind.PROMPT, list(prompt))]
+                     + [Span.policy(list(p), [-0.1] * len(p), [0] * len(p)) for p in policy]], group=group)
+
+    group0 = [run(0, [5, 6]), run(0, [5, 6], prompt=(2,)), run(0, [5, 6]), run(0, [5], [6]), run(0, [5, 7])]
+    group1 = [run(1, [5, 6]), run(1, [8])]  # the same tokens in another group: no copy of group 0's
+    # group 0 holds 2 distinct completions in 5 ([5, 6] three times, and a fourth as [5] + [6]: the same tokens in
+    # order; [5, 7] once), so 3 of them repeat; group 1 repeats none
+    assert repeats(group0) == 3 and repeats(group1) == 0 and repeats(group0 + group1) == 3
+    assert repeats([]) == 0

@@ -3,12 +3,13 @@ once, where the batch is built: ``trajectory.collate``).
 
 Per step, from the rollout source's counts (``rollout.RolloutCounts``; rank 0, which owns the source): samples
 finished, ok, truncated, failed, trained, dropped (stale, filtered, empty groups), each new this step and as a
-total (``samples/<name>``, ``samples/<name>_total``); the reward over all usable samples (``reward/all_samples``: with
-a group filter, ``reward`` covers only the groups kept); the events agents counted (``client.count``:
-``agent/tool_error/timeout``, ``agent/endpoint_error/model_not_found``, ...). From the engine (its own
-``take_stats``): generated tokens per second and the share of wall time it had no request in flight. The step's wall
-time split on the trainer's side (``perf/trainer_idle_s`` waiting for rollouts, ``perf/train_compute_s`` the
-gradient step, ``perf/weight_sync_s``, and ``perf/overhead_s`` / ``perf/overhead_frac``: everything else, i.e.
+total (``samples/<name>``, ``samples/<name>_total``); the share of the batch's completions that repeat another of their
+group token for token (``samples/duplicates``, ``trajectory.repeats``); the reward over all usable samples
+(``reward/all_samples``: with a group filter, ``reward`` covers only the groups kept); the events agents counted
+(``client.count``: ``agent/tool_error/timeout``, ``agent/endpoint_error/model_not_found``, ...). From the engine
+(its own ``take_stats``): generated tokens per second and the share of wall time it had no request in flight. The
+step's wall time split on the trainer's side (``perf/trainer_idle_s`` waiting for rollouts, ``perf/train_compute_s``
+the gradient step, ``perf/weight_sync_s``, and ``perf/overhead_s`` / ``perf/overhead_frac``: everything else, i.e.
 collation, Lightning's loop, logging and callbacks, checkpoints).
 """
 
@@ -20,6 +21,7 @@ from dataclasses import fields
 import lightning as L
 
 from ..rollout.source import RolloutCounts
+from ..trajectory import repeats
 
 COUNTS = [f.name for f in fields(RolloutCounts) if f.type == "int" and f.name != "buffered_groups"]
 
@@ -60,5 +62,6 @@ class RolloutMonitor(L.Callback):
         filtered_n = now.dropped_filtered_samples - before.dropped_filtered_samples
         filtered_sum = now.filtered_reward_sum - before.filtered_reward_sum
         metrics["reward/all_samples"] = (kept_sum + filtered_sum) / (kept_n + filtered_n)
+        metrics["samples/duplicates"] = repeats(batch.trajectories) / kept_n
         metrics["rollout/buffered_groups"] = float(now.buffered_groups)
         return metrics

@@ -10,8 +10,9 @@ a failure the terminal gets the log's last lines and its path. ``MOLT_QUIET=1`` 
 it is on when standard output is a terminal.
 
 ``RunSummary`` prints what a user wants after a run: steps and time, the reward at the start and at the end, the agent
-runs that finished and what became of them (trained, failed, dropped, or still waiting when the run ended), and where
-everything was written. Written by hand: Lightning has no run summary,
+runs that finished and what became of them (trained, failed, dropped, or still waiting when the run ended), the share
+of duplicate completions when it reaches ``DUPLICATES_NOTED`` (``samples/duplicates``), and where everything was
+written. Written by hand: Lightning has no run summary,
 and file-descriptor redirection is a few ``os.dup2`` calls.
 """
 
@@ -27,6 +28,8 @@ import time
 from pathlib import Path
 
 import lightning as L
+
+DUPLICATES_NOTED = 0.25  # the summary names samples/duplicates from this share of a group's completions up
 
 
 def wants_quiet() -> bool:
@@ -86,7 +89,7 @@ class RunSummary(L.Callback):
 
     def __init__(self, out=None, first: int = 5, last: int = 10):
         self.out, self.first, self.last = out, first, last
-        self.started, self.rewards, self.step_times = time.perf_counter(), [], []
+        self.started, self.rewards, self.step_times, self.duplicates = time.perf_counter(), [], [], []
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._t = time.perf_counter()
@@ -95,12 +98,17 @@ class RunSummary(L.Callback):
         now = time.perf_counter()
         self.step_times.append(now - self._t)
         self._t = now
-        if "reward" in trainer.callback_metrics:
-            self.rewards.append(float(trainer.callback_metrics["reward"]))
+        for key, kept in (("reward", self.rewards), ("samples/duplicates", self.duplicates)):
+            if key in trainer.callback_metrics:
+                kept.append(float(trainer.callback_metrics[key]))
 
     def teardown(self, trainer, pl_module, stage: str) -> None:  # after the progress bar's last frame
         if stage == "fit" and trainer.global_rank == 0 and self.step_times:
             print(self.text(trainer), file=self.out or sys.stdout, flush=True)
+
+    def _ends(self, values: list[float]) -> tuple[float, float]:
+        """The mean of the first ``first`` and of the last ``last`` values."""
+        return statistics.fmean(values[:self.first]), statistics.fmean(values[-self.last:])
 
     def text(self, trainer) -> str:
         m = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("samples/")}
@@ -109,9 +117,10 @@ class RunSummary(L.Callback):
                 f"median); {_clock(time.perf_counter() - self.started)} in all, start-up included")
         lines = [head]
         if r:
+            first, last = self._ends(r)
             k = min(self.last, len(r))
-            lines.append(f"  mean reward {statistics.fmean(r[:self.first]):.2f} (steps 0-{min(self.first, len(r)) - 1})"
-                         f" -> {statistics.fmean(r[-k:]):.2f} (steps {len(r) - k}-{len(r) - 1})")
+            lines.append(f"  mean reward {first:.2f} (steps 0-{min(self.first, len(r)) - 1})"
+                         f" -> {last:.2f} (steps {len(r) - k}-{len(r) - 1})")
         names = ("finished", "trained", "failed", "dropped_stale_samples", "dropped_filtered_samples",
                  "dropped_empty_groups")
         total = {k: int(m.get(f"samples/{k}_total", 0)) for k in names}
@@ -121,6 +130,11 @@ class RunSummary(L.Callback):
                      f"{dropped} dropped ({total['dropped_stale_samples']} stale, "
                      f"{total['dropped_filtered_samples']} filtered), {left} not trained when the run ended; "
                      f"{total['dropped_empty_groups']} groups had no usable sample")
+        if self.duplicates and max(d := self._ends(self.duplicates)) >= DUPLICATES_NOTED:
+            lines.append(f"  duplicates: {d[0]:.0%} of a group's completions repeated another one (steps 0-"
+                         f"{min(self.first, n) - 1}) -> {d[1]:.0%} (the last {min(self.last, n)}): a group then holds "
+                         "fewer distinct samples; engines sampling one random stream cause it (docs/engines.md, "
+                         "seeds), so does a policy sure of its answer")
         if trainer.logger is not None:  # (not trainer.log_dir: a collective, and only rank 0 is here)
             lines += _held_out(trainer.logger.log_dir)
             lines.append(f"  run folder: {trainer.logger.log_dir} (metrics.csv, reward.png, config.yaml)")
