@@ -22,9 +22,10 @@ class Rollout:
     prompts_per_step: int = 8  # groups per training batch
     max_lag: int = 1  # staleness bound in policy versions; 0 is synchronous on-policy training
     temperature: float = 1.0  # sampling temperature; the trainer recomputes logprobs at the same one
+    top_p: float = 1.0  # nucleus sampling (engines.base.nucleus); the trainer recomputes logprobs in the same nucleus
     max_context: int | None = None  # longest token sequence an agent may build (None: the policy's max positions)
     agent_timeout_s: float = 300.0  # an agent run still going after this fails (counted, never trained on)
-    task_seed: int = 0  # seed of the task stream (epoch e reads tasks(task_seed + e)) and of the per-request seeds
+    task_seed: int = 0  # seed of the task stream (epoch e reads tasks(task_seed + e)), the requests and the engines
     max_failure_rate: float = 0.5  # stop the run when more than this share of recent agent runs failed (1: never)
     admit_ahead: bool = True  # while the trainer waits for a batch, start groups for later ones too
     switch_interval_ms: float | None = None  # Python's thread switch interval while agents run (None: its 5 ms)
@@ -39,6 +40,8 @@ class Rollout:
         if self.temperature <= 0:
             raise ValueError("model.rollout.temperature must be > 0 for RL (greedy sampling has no logprobs to "
                              f"correct against), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"model.rollout.top_p must be in (0, 1] (1: the whole distribution), got {self.top_p}")
         check_host(self.endpoint_host, self.endpoint_token)
         if self.switch_interval_ms is not None and self.switch_interval_ms <= 0:
             raise ValueError(f"model.rollout.switch_interval_ms must be > 0 (or null: Python's own), got "

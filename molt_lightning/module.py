@@ -122,7 +122,8 @@ class AsyncRLModule(L.LightningModule):
         dtype, b = getattr(torch, self.hparams.dtype), self.batching
         lm, self.tokenizer = trainable_lm(self.policy_path, dtype, b.activation_checkpointing, self.lora)
         self.policy = Policy(lm, value_head=self.fns.needs_values, chunk_tokens=b.logit_chunk_tokens,
-                             routing=self.moe.routing, router_aux_coef=self.moe.aux_coef, share_prefix=b.share_prefix)
+                             routing=self.moe.routing, router_aux_coef=self.moe.aux_coef, share_prefix=b.share_prefix,
+                             top_p=self.rollout.top_p)  # the nucleus the engines sample from
         parallel.shard(self.policy, self.trainer.strategy)
         if self.fns.needs_reference:
             self.reference = frozen_policy(self.policy_path, dtype, b)
@@ -149,6 +150,7 @@ class AsyncRLModule(L.LightningModule):
         if not self._started and self.global_rank == 0:
             self.sessions = AgentSessions.for_run(self.engine, self.policy_path, self.tokenizer, self.rollout,
                                                   self.policy.lm.config)
+            self.engine.seed_from(self.rollout.task_seed)  # each engine of the run its own stream (a pool's too)
             self.engine.launch(self.policy_path, lora_.adapter_of(self.policy.lm))
             self._started = True
             check_vocab(self.policy.lm.config, self.tokenizer, self.engine)

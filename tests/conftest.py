@@ -148,6 +148,26 @@ def molt_servers(policy_path):
             server.stop()
 
 
+@pytest.fixture
+def served_engine(request, policy_path, vllm_engine, molt_servers):
+    """Each vLLM-backed engine in turn (parametrize indirectly with "vllm", "remote", "remote-http", "pool": the
+    remote ones on the session's ``molt serve`` servers; the pool over both of them lives for one test, so that no
+    other test's pool reloads a server it shares)."""
+    if request.param == "vllm":
+        return vllm_engine
+    if request.param == "pool":
+        from molt_lightning.engines import EnginePool
+
+        pool = EnginePool(urls=[s.url for s in molt_servers])
+        pool.launch(policy_path)
+        request.addfinalizer(pool.release)
+        return pool
+    engine = request.getfixturevalue("remote_engine")
+    channel, engine.channel = engine.channel, "http" if request.param == "remote-http" else "shm"
+    request.addfinalizer(lambda: setattr(engine, "channel", channel))
+    return engine
+
+
 @pytest.fixture(scope="session")
 def remote_engine(molt_servers, policy_path):
     """A ``RemoteVLLMEngine`` on the first session server (weights over the shared-memory channel)."""

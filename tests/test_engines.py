@@ -29,26 +29,7 @@ def weights(policy_path):
     return load_file(f"{policy_path}/model.safetensors")
 
 
-VLLM_ENGINES = ["vllm", "remote", "remote-http", "pool"]
-
-
-@pytest.fixture
-def served_engine(request, policy_path):
-    """Each vLLM-backed engine in turn (the remote ones on the session's ``molt serve`` servers; the pool over both
-    of them lives for one test, so that no other test's pool reloads a server it shares)."""
-    if request.param == "vllm":
-        return request.getfixturevalue("vllm_engine")
-    if request.param == "pool":
-        from molt_lightning.engines import EnginePool
-
-        pool = EnginePool(urls=[s.url for s in request.getfixturevalue("molt_servers")])
-        pool.launch(policy_path)
-        request.addfinalizer(pool.release)
-        return pool
-    engine = request.getfixturevalue("remote_engine")
-    channel, engine.channel = engine.channel, "http" if request.param == "remote-http" else "shm"
-    request.addfinalizer(lambda: setattr(engine, "channel", channel))
-    return engine
+VLLM_ENGINES = ["vllm", "remote", "remote-http", "pool"]  # the served_engine fixture's (conftest)
 
 
 def generate_all(engine, prompts, sampling):

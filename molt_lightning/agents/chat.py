@@ -23,6 +23,7 @@ is ours (no library offers it).
 
 from __future__ import annotations
 
+import os
 from functools import cached_property
 from typing import Any
 
@@ -40,8 +41,7 @@ class ChatTemplate:
             raise ValueError("the tokenizer has no chat_template: `client.chat` needs one. Set tokenizer.chat_template "
                              "(a Jinja string) or use `client.generate` with your own token ids.")
         self.tokenizer, self.processor = tokenizer, processor  # processor: a VLM's (expands images), else None
-        self.eos_id: int = tokenizer.eos_token_id
-        self.eos_text = tokenizer.decode([self.eos_id])
+        self.eos_id: int = tokenizer.eos_token_id  # what a demonstration's turn ends with (SFT, warm starts)
         # the Rust tokenizer behind a fast tokenizer: the same ids as tokenizer(text) at a fraction of the Python cost
         # (a turn's delta is tokenized on every request; tested equal in tests/test_chat.py)
         self._rust = getattr(tokenizer, "_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
@@ -50,6 +50,12 @@ class ChatTemplate:
         self.turn_suffix = probe.split(_PROBE, 1)[1]
         user = [{"role": "user", "content": "u"}]  # what the template writes to open an assistant turn
         self.generation_prompt = self.render(user, add_generation_prompt=True)[len(self.render(user)):]
+        first = self.encode(self.turn_suffix)[:1]
+        self.end_ids = end_of_turn_ids(tokenizer, first)  # every id that ends a turn
+        # what closes a turn that ended on one of them: the suffix after its end-of-turn token (e.g. the "\n" after
+        # "<|im_end|>"), whichever end id the policy sampled; the whole suffix when it does not open with one
+        closing = tokenizer.decode(first) if first and first[0] in self.end_ids else ""
+        self.after_end = self.turn_suffix[len(closing):] if self.turn_suffix.startswith(closing) else self.turn_suffix
 
     @property
     def image_token_id(self) -> int | None:
@@ -110,10 +116,9 @@ class ChatTemplate:
         return _text_only(self.prompt_inputs(messages, tools))
 
     def close_turn_ids(self, generated: list[int]) -> list[int]:
-        """Template text after a generated assistant turn that the policy did not produce itself."""
-        if generated and generated[-1] == self.eos_id and self.turn_suffix.startswith(self.eos_text):
-            return self.encode(self.turn_suffix[len(self.eos_text):])
-        return self.encode(self.turn_suffix)  # truncated turn: the template closes it
+        """Template text after a generated assistant turn that the policy did not produce itself: after any end id,
+        the same closing (no token added or lost); a truncated turn gets the whole suffix."""
+        return self.encode(self.after_end if generated and generated[-1] in self.end_ids else self.turn_suffix)
 
     def delta_inputs(self, previous: list[Message], new: list[Message], tools: list | None = None
                      ) -> tuple[list[int], ImageInputs | None] | None:
@@ -132,7 +137,7 @@ class ChatTemplate:
 
     def decode_reply(self, generated: list[int]) -> str:
         """The assistant message text of a generated turn (without the end-of-turn token)."""
-        ids = generated[:-1] if generated and generated[-1] == self.eos_id else generated
+        ids = generated[:-1] if generated and generated[-1] in self.end_ids else generated
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def parse_reply(self, generated: list[int], tools: list | None = None) -> Message:
@@ -165,3 +170,19 @@ def _text_only(inputs: tuple[list[int], ImageInputs | None]) -> list[int]:
         raise ValueError("these messages hold images: use prompt_inputs / delta_inputs, which return their pixel "
                          "values too")
     return ids
+
+
+def end_of_turn_ids(tokenizer, template_first: list[int] = ()) -> frozenset[int]:
+    """The ids that end an assistant turn, one set for the client and every engine (the client sends them as
+    ``stop_token_ids``): the tokenizer's end-of-sequence id, the generation config's (a list for many chat models;
+    the model config's where the folder has none) and the special token the chat template closes a turn with
+    (``template_first``: the first token of what it writes after an assistant message)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    ids, folder = [tokenizer.eos_token_id], getattr(tokenizer, "name_or_path", "")
+    if os.path.isfile(os.path.join(folder, "generation_config.json")):
+        ids.append(GenerationConfig.from_pretrained(folder).eos_token_id)
+    elif os.path.isfile(os.path.join(folder, "config.json")):
+        ids.append(AutoConfig.from_pretrained(folder).get_text_config().eos_token_id)
+    ids += [t for t in template_first if t in tokenizer.all_special_ids]
+    return frozenset(i for x in ids for i in (x if isinstance(x, (list, tuple)) else [x]) if i is not None)

@@ -56,9 +56,9 @@ class GeneratedImagePlaceholder(RuntimeError):
 class AgentClient:
     def __init__(self, engine: RolloutEngine, trajectory: Trajectory, template: ChatTemplate | None,
                  temperature: float, max_context: int, seed: int | None = None,
-                 counter: Callable[[str, int], None] | None = None):
+                 counter: Callable[[str, int], None] | None = None, top_p: float = 1.0):
         self.engine, self.trajectory, self.template = engine, trajectory, template
-        self.temperature, self.max_context = temperature, max_context
+        self.temperature, self.max_context, self.top_p = temperature, max_context, top_p
         self.seed, self._requests = seed, 0  # request k samples with seed + k (None: the engine's shared stream)
         self._counter = counter
         self._messages: list[Message] | None = None  # what the current segment's tokens render (chat mode)
@@ -67,6 +67,8 @@ class AgentClient:
         self.endpoint = None  # the run's OpenAI-compatible endpoint, when one serves this client (``AgentSessions``)
         self.api_key: str | None = None  # this run's key there: it ties the endpoint's requests to this trajectory
         self._lock = asyncio.Lock()  # the endpoint serves one request of a trajectory at a time
+        # every engine stops a turn on the ids the template closes turns after (chat.end_of_turn_ids)
+        self._end_ids = () if template is None else tuple(sorted(template.end_ids))
 
     @property
     def tokens(self) -> list[int]:
@@ -167,8 +169,8 @@ class AgentClient:
         seed = None if self.seed is None else self.seed + self._requests
         self._requests += 1
         t = self.trajectory  # route_key: an engine pool sends every turn of this trajectory to one engine
-        sampling = Sampling(max_tokens=max_tokens, temperature=self.temperature, seed=seed,
-                            route_key=f"{t.group_id}/{t.member}")
+        sampling = Sampling(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, seed=seed,
+                            route_key=f"{t.group_id}/{t.member}", stop_token_ids=self._end_ids)
         out = await self.engine.generate(self.tokens, sampling, images=segment_images(t.segments[-1]))
         t.turns += 1  # a turn is an engine call: the agent's per-turn rewards count them (AgentResult)
         if out.token_ids:

@@ -343,6 +343,7 @@ def evaluate_policy(module, evaluate) -> tuple[list, float]:
     evaluate.select(module.source.tasks, fitting=False)
     sessions = AgentSessions.for_run(module.engine, path, AutoTokenizer.from_pretrained(path), rollout,
                                      AutoConfig.from_pretrained(path))
+    module.engine.seed_from(rollout.task_seed)
     module.engine.launch(path)
     try:
         sessions.start()

@@ -1,13 +1,14 @@
 """``molt serve``: one vLLM OpenAI-compatible server set up for RL, for ``RemoteVLLMEngine`` and ``EnginePool``.
 
-``molt serve --policy DIR [--port 8000] [--host 127.0.0.1] [--api-key KEY] [--cpu-threads 1] [--nccl]
+``molt serve --policy DIR [--port 8000] [--host 127.0.0.1] [--api-key KEY] [--cpu-threads 1] [--seed N] [--nccl]
 [-- VLLM ARGS]`` runs
 ``python -m vllm.entrypoints.openai.api_server`` with what the remote engine relies on: the project's worker
 extension (weight loads through ``/collective_rpc``), processed logprobs, the token-in/token-out route
 (``--enable-scale-out``), the RL and dev routes (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/resume``,
 ``/update_weight_version``, ``/reset_prefix_cache``, ``/collective_rpc``), ``Guard``, and the dtype and eager mode
 vLLM's platform needs (float32 and ``--enforce-eager`` on the CPU; vLLM's own choice elsewhere; a ``--dtype`` or
-``--enforce-eager`` after ``--`` wins).
+``--enforce-eager`` after ``--`` wins), and a sampling seed of its own (``--seed``; by default a random one, printed:
+servers seeded alike sample the same completions wherever requests carry no seed, as on vLLM's CPU platform).
 
 ``--nccl`` (GPU servers) also enables vLLM's NCCL weight-transfer engine (``--weight-transfer-config
 {"backend": "nccl"}``), for ``RemoteVLLMEngine(channel="nccl")``: the trainer joins the server's workers in an NCCL
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 
 from ..engines.vllm.server import LOOPBACK, TOKEN_ENV, server_command, server_env
@@ -44,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--api-key", default=os.environ.get(TOKEN_ENV),
                    help=f"shared token for every route but the probes (default ${TOKEN_ENV})")
     p.add_argument("--cpu-threads", default=None, help="cores for vLLM's CPU threads, e.g. 1 or 0-1")
+    p.add_argument("--seed", type=int, default=None, help="the engine's sampling seed (default: a random one; give "
+                                                          "each server of a pool its own)")
     p.add_argument("--nccl", action="store_true", help="enable vLLM's NCCL weight-transfer engine (GPUs), for the "
                                                        "remote engine's channel nccl")
     args = p.parse_args(argv)
@@ -57,8 +61,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.host not in LOOPBACK and not args.api_key:
         print(f"molt serve: binding {args.host} without --api-key: control routes (weights, pause, RPC) answer "
               "loopback only, serving routes are open to the network", file=sys.stderr)
+    seed = secrets.randbelow(2**31) if args.seed is None else args.seed
+    print(f"molt serve: sampling seed {seed}", file=sys.stderr)
     env = server_env(args.api_key, args.cpu_threads)
-    cmd = server_command(policy, args.host, args.port, extra)
+    cmd = server_command(policy, args.host, args.port, extra, seed)
     os.execvpe(cmd[0], cmd, env)  # the server becomes this process: signals reach it directly
 
 

@@ -35,6 +35,7 @@ vLLM's vision models import torchvision, built for CUDA only; see ``molt_lightni
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 import time
@@ -74,8 +75,29 @@ class Sampling:
     temperature: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # keep sampling past end-of-sequence (benchmarks, tests)
-    seed: int | None = None  # this request's own random stream (None: the engine's shared one)
+    top_p: float = 1.0  # nucleus sampling: only the most likely tokens holding this much of the mass (``nucleus``)
+    seed: int | None = None  # this request's own random stream (None, or an engine that takes none: the engine's)
     route_key: str | None = None  # its trajectory: a pool sends all of one trajectory's turns to one engine
+
+
+def nucleus(z: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """Logits ``z`` (..., V) with every token outside the top-p nucleus at -inf, by vLLM's rule (its sampler's and so
+    its processed logprobs'): in ascending order, a token goes while the probability up to and including it is at
+    most ``1 - top_p``; the most likely token always stays. ``top_p``: a float, or one per row (..., 1). Engines
+    sample from it, the trainer recomputes logprobs under it (``trainer.policy``)."""
+    if not isinstance(top_p, torch.Tensor) and top_p >= 1:
+        return z
+    ascending, order = z.sort(dim=-1)  # (..., V)
+    drop = ascending.softmax(-1).cumsum(-1) <= 1 - top_p  # (..., V)
+    drop[..., -1] = False
+    return z.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+
+
+def derive_seed(*parts, bits: int = 62) -> int:
+    """A seed of ``bits`` bits derived from ``parts`` (the run's seed and a place: an engine's index, a request's
+    sample, member and turn), the same on every machine and Python."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> (64 - bits)
 
 
 class RolloutEngine(ABC):
@@ -107,12 +129,20 @@ class RolloutEngine(ABC):
         self.expected: Mapping[str, Sample] | None = None  # what the last update sent (checked again on a rejoin)
         self.verified = False  # the last update's fingerprints matched, every tensor read back
         self._warned_unverified = False
+        self.seed: int | None = None  # the engine's own random stream; None: derived at launch (``seed_from``)
+
+    def seed_from(self, run_seed: int, index: int = 0) -> None:
+        """Unless given one, take the seed of engine ``index`` of a run seeded ``run_seed``: every engine of a run
+        (a pool's servers) samples from a stream of its own, and a rerun from the same ones."""
+        if self.seed is None:
+            self.seed = derive_seed(run_seed, "engine", index, bits=31)
 
     # ----- lifecycle, from the trainer thread -----
     def launch(self, model_path: str, adapter: Adapter | None = None) -> None:
         """Start the loop thread and open the engine on first use; later users share it (same model and adapter
         required). With ``adapter`` the engine serves the base model plus that LoRA adapter (see the module)."""
         if self._users == 0:
+            self.seed_from(0)  # a run has given its seed by now (the module); anyone else gets run seed 0's
             self.loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self.loop.run_forever, name="molt-engine", daemon=True)
             self._thread.start()

@@ -17,6 +17,10 @@ and are counted by the rollout source (``status_failed``, with the reason); they
 a new request whose record the agent never asked for). New requests go to the live engines. ``check`` raises once
 every engine has been down longer than its ``down_timeout_s``, so a run with no engine left fails with a message.
 
+Seeds: engine i of the pool samples from a stream of its own, seeded from the run's seed and i (``seed_from``; the
+servers it starts get it as ``--seed``); running servers keep theirs, and two that share one while their requests
+carry no seed (vLLM's CPU platform) are named at open: their completions would repeat each other.
+
 vllm-router (PyPI) routes the same way (``consistent_hash``/``sticky_least_loaded``), but the weight sync and the
 health checks must reach every engine directly anyway, and the pool needs each engine's liveness to keep versions
 exact: a routing table of a few lines is simpler than a second process in between.
@@ -28,12 +32,15 @@ or ``init_args: {servers: 2}`` to start two loopback servers (``molt serve``) fo
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections import Counter, OrderedDict
 
 from .base import EngineUnavailable, Generation, RolloutEngine, Sampling
 from .vllm.remote import RemoteVLLMEngine
+
+log = logging.getLogger(__name__)
 
 
 class EnginePool(RolloutEngine):
@@ -71,6 +78,10 @@ class EnginePool(RolloutEngine):
     def members(self) -> list[RolloutEngine]:
         return self.engines
 
+    def seed_from(self, run_seed: int, index: int = 0) -> None:
+        for i, e in enumerate(self.engines):
+            e.seed_from(run_seed, i)
+
     # ----- lifecycle -----
     async def open(self, model_path: str) -> None:
         results = await asyncio.gather(*(e.open(model_path) for e in self.engines), return_exceptions=True)
@@ -85,6 +96,11 @@ class EnginePool(RolloutEngine):
         self.vocab_size = sizes.pop()
         for e in self.engines:
             e.loop = self.loop
+        alike = Counter(e.seed for e in self.engines if not getattr(e, "request_seeds", True))
+        if shared := [seed for seed, n in alike.items() if n > 1]:
+            log.warning("engines of the pool sample from the same seed (%s) and their requests carry none: their "
+                        "completions repeat each other (samples/duplicates). Start each server with its own "
+                        "`molt serve --seed`", ", ".join(map(str, shared)))
 
     async def close(self) -> None:
         await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)

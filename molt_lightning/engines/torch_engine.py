@@ -37,7 +37,7 @@ import torch
 
 from ..policies import moe
 from ..policies.vision import ImageInputs
-from .base import Generation, RolloutEngine, Sampling
+from .base import Generation, RolloutEngine, Sampling, nucleus
 from .fingerprint import Print, fingerprint
 
 
@@ -45,7 +45,7 @@ class TorchEngine(RolloutEngine):
     captures_routing = True  # for mixture-of-experts policies (dense ones return routing=None)
     accepts_images = True  # for vision-language policies
 
-    def __init__(self, device: str = "cpu", dtype: str = "float32", max_batch: int = 256, seed: int = 0):
+    def __init__(self, device: str = "cpu", dtype: str = "float32", max_batch: int = 256, seed: int | None = None):
         super().__init__()
         self.device, self.dtype, self.max_batch, self.seed = device, getattr(torch, dtype), max_batch, seed
         self.model = None
@@ -161,6 +161,8 @@ class TorchEngine(RolloutEngine):
             mask[i, L - len(p):] = 1
         samplings = [s for _, s, _ in requests]
         temps = torch.tensor([s.temperature for s in samplings], device=dev)  # (B,)
+        top_ps = [s.top_p for s in samplings]
+        top_ps = torch.tensor(top_ps, device=dev)[:, None] if min(top_ps) < 1 else 1.0  # (B, 1), or none
         max_new = [s.max_tokens for s in samplings]
         stops = [set(() if s.ignore_eos else self.eos_ids) | set(s.stop_token_ids) for s in samplings]
         images = ImageInputs.cat([im for *_, im in requests])  # the rows' images in row order, or None
@@ -189,7 +191,7 @@ class TorchEngine(RolloutEngine):
             seen, cache = version, out.past_key_values
             self.capture.step(B, step_ids.shape[1], ids.shape[1])  # the forward ran the last S of ids' columns
             logits = out.logits[:, -1].float()  # (B, V)
-            tok, lp = _sample(logits, temps, self.gen, gens)  # (B,), (B,)
+            tok, lp = _sample(logits, temps, self.gen, gens, top_ps)  # (B,), (B,)
             toks, lps = tok.tolist(), lp.tolist()
             for i in range(B):
                 if not alive[i]:
@@ -212,12 +214,14 @@ class TorchEngine(RolloutEngine):
 
 
 def _sample(logits: torch.Tensor, temps: torch.Tensor, gen: torch.Generator,
-            gens: list[torch.Generator | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample per row at its temperature (0 = greedy); return tokens and their logprobs under that distribution.
+            gens: list[torch.Generator | None] | None = None, top_p: float | torch.Tensor = 1.0
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample per row at its temperature (0 = greedy) from its top-p nucleus (``base.nucleus``); return tokens and
+    their logprobs under that distribution.
     A row with its own generator in ``gens`` (a seeded request) draws its uniform from it, the others from ``gen``;
     the token is the inverse CDF at that uniform (one batched search, not a ``multinomial`` call per seeded row)."""
     greedy = temps <= 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]  # (B, V)
+    scaled = nucleus(logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None], top_p)  # (B, V)
     logp = torch.log_softmax(scaled, dim=-1)  # (B, V)
     # in float64: a rare token's interval then has its own width, not float32's rounding step near 1 (~6e-8)
     cdf = logp.double().exp().cumsum(-1)  # (B, V)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hashlib
 import logging
 import math
 import re
@@ -52,6 +51,7 @@ from .admission import Admission
 from ..agents.client import AgentResult
 from ..agents.sessions import AgentSessions
 from ..config import Rollout
+from ..engines.base import derive_seed
 from ..trajectory import Status, Trajectory
 
 log = logging.getLogger(__name__)
@@ -359,8 +359,7 @@ def _check_turns(result: AgentResult, turns: int) -> str | None:
 
 def request_seed(task_seed: int, sample_id: int, member: int) -> int:
     """The base seed of one agent run; its k-th request samples with ``base + k`` (see the module docstring)."""
-    digest = hashlib.blake2b(f"{task_seed}:{sample_id}:{member}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2  # leaves room for + k below 2**63
+    return derive_seed(task_seed, sample_id, member)  # 62 bits: room for + k below 2**63
 
 
 def _kind(reason: str | None) -> str:

@@ -1,7 +1,8 @@
 """``Policy``: a Hugging Face causal LM plus what RL reads from it, computed without the full (N, T, V) logits.
 
-RL needs, for each *sampled* token, its logprob under the current policy at the sampling temperature (and the
-entropy of that distribution, and a value for critic estimators). The plain route, ``lm(ids).logits``, builds a float
+RL needs, for each *sampled* token, its logprob under the current policy at the sampling temperature, in the top-p
+nucleus the engines sample from (``top_p``, ``engines.base.nucleus``; the entropy of that distribution, and a value
+for critic estimators). The plain route, ``lm(ids).logits``, builds a float
 (N, T, V) tensor and its gradient: a float per token and vocabulary entry, gigabytes for a small batch of a
 49k-vocabulary model. Here the decoder's hidden
 states are taken for the policy tokens only (prompt and tool tokens are never trained on, so their logits are never
@@ -45,6 +46,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import imported
+from ..engines.base import nucleus
 from ..policies import moe
 from . import prefix
 from ..policies.vision import BatchImages
@@ -63,7 +65,7 @@ class PolicyOutputs:
 
 class Policy(nn.Module):
     def __init__(self, lm: nn.Module, value_head: bool = False, chunk_tokens: int = 512, routing: str = "free",
-                 router_aux_coef: float = 0.0, share_prefix: bool = True):
+                 router_aux_coef: float = 0.0, share_prefix: bool = True, top_p: float = 1.0):
         super().__init__()
         if chunk_tokens < 1:
             raise ValueError(f"logit_chunk_tokens must be >= 1, got {chunk_tokens}")
@@ -78,7 +80,7 @@ class Policy(nn.Module):
                                       "recompute would run the routers outside the routing hook (moe.routed wraps the "
                                       "forward only: replayed experts and router records would differ); set "
                                       "model.activation_checkpointing: false")
-        self.replay, self.router_aux_coef = routing == "replay", router_aux_coef
+        self.replay, self.router_aux_coef, self.top_p = routing == "replay", router_aux_coef, top_p
         text = lm.config.get_text_config()
         for attr in ("final_logit_softcapping", "logit_scale"):
             if getattr(text, attr, None):
@@ -124,7 +126,8 @@ class Policy(nn.Module):
         lps, ents = [], []
         for i in range(0, targets.numel(), self.chunk_tokens):
             j = slice(i, i + self.chunk_tokens)
-            lp, ent = checkpoint(_head_chunk, head, h[j], targets[j], temperature, entropy_grad, use_reentrant=False)
+            lp, ent = checkpoint(_head_chunk, head, h[j], targets[j], temperature, entropy_grad, self.top_p,
+                                 use_reentrant=False)
             lps.append(lp)
             ents.append(ent)
         logprobs = _scatter(sel, lps, hidden)  # (N, T-1)
@@ -150,12 +153,19 @@ def decoder_of(lm: nn.Module) -> nn.Module:
     return (get_base() if get_base is not None else lm).base_model
 
 
-def _head_chunk(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool):
-    z = head(h).float() / temperature  # (C, V): the only logits alive at a time
-    log_z = torch.logsumexp(z, dim=-1)  # (C,)
-    logprobs = z.gather(-1, targets[:, None]).squeeze(-1) - log_z  # (C,)
+def _head_chunk(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool,
+                top_p: float = 1.0):
+    z = nucleus(head(h).float() / temperature, top_p)  # (C, V): the only logits alive at a time
+    return _logprobs_entropy(z, targets, entropy_grad)
+
+
+def _logprobs_entropy(z: torch.Tensor, targets: torch.Tensor, entropy_grad: bool):
+    """The targets' logprobs (...,) under logits ``z`` (..., V) and the distribution's entropy (-inf logits: tokens
+    outside the nucleus, which add nothing to it)."""
+    log_z = torch.logsumexp(z, dim=-1)  # (...,)
+    logprobs = z.gather(-1, targets[..., None]).squeeze(-1) - log_z  # (...,)
     zd, log_zd = (z, log_z) if entropy_grad else (z.detach(), log_z.detach())
-    entropy = log_zd - (torch.softmax(zd, dim=-1) * zd).sum(-1)  # (C,)
+    entropy = log_zd - (torch.softmax(zd, dim=-1) * zd.clamp(min=torch.finfo(zd.dtype).min)).sum(-1)  # (...,)
     return logprobs, entropy
 
 
@@ -167,14 +177,10 @@ def _scatter(sel: torch.Tensor, parts: list[torch.Tensor], like: torch.Tensor) -
     return out.masked_scatter(sel, torch.cat(parts))
 
 
-def logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, entropy_grad: bool):
+def logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, entropy_grad: bool,
+                         top_p: float = 1.0):
     """The unchunked reference: next-token logprobs and entropies from full logits (N, T, V), both (N, T-1)."""
-    z = logits[:, :-1].float() / temperature  # (N, T-1, V)
-    log_z = torch.logsumexp(z, dim=-1)  # (N, T-1)
-    logprobs = z.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - log_z  # (N, T-1)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = log_z - (torch.softmax(z, dim=-1) * z).sum(-1)  # (N, T-1)
-    return logprobs, entropy
+    return _logprobs_entropy(nucleus(logits[:, :-1].float() / temperature, top_p), input_ids[:, 1:], entropy_grad)
 
 
 def check_vocab(config, tokenizer, engine=None) -> None:

@@ -84,10 +84,10 @@ def text_of(content: Any, where: str, parts: str) -> str:
     return "".join(out)
 
 
-def check_sampling(body: dict, temperature: float) -> None:
+def check_sampling(body: dict, temperature: float, top_p: float = 1.0) -> None:
     """Refuse a temperature or top_p other than the run's (both wires): the trainer computes logprobs under the run's
     sampling distribution, so another one would make its importance weights wrong."""
-    for name, run_value in (("temperature", temperature), ("top_p", 1.0)):
+    for name, run_value in (("temperature", temperature), ("top_p", top_p)):
         value = body.get(name)
         if value is None:
             continue

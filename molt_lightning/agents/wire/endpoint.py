@@ -58,7 +58,8 @@ _ROUTES = "POST /v1/chat/completions, POST /v1/messages, GET /v1/models and GET 
 class Session(Protocol):
     """What the endpoint needs of one agent run (``AgentClient`` is one)."""
 
-    temperature: float  # the run's sampling temperature: a request may only ask for it
+    temperature: float  # the run's sampling temperature and top-p: a request may only ask for them
+    top_p: float
     max_context: int  # the longest token sequence the run's segments may hold
     handles_tools: bool  # whether the policy's chat template renders tools and its tokenizer parses calls
 
@@ -190,7 +191,7 @@ class Endpoint:
             need(isinstance(model, str), "model", f"a string naming one of {self.model_names}", model)
             if model not in self.model_names:
                 raise self._unknown_model(model)
-            check_sampling(body, session.temperature)
+            check_sampling(body, session.temperature, session.top_p)
             messages, tools, max_tokens = wire.parse(body, session.max_context, session.handles_tools)
             message, out, prompt_tokens = await session.serve(messages, max_tokens, tools)
         except Exception as e:  # refused, or ContextOverflow and friends (the client's own clear errors)

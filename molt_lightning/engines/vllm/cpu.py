@@ -52,6 +52,12 @@ def applies() -> bool:
     return current_platform.is_cpu()
 
 
+def takes_request_seeds() -> bool:
+    """Whether a request may carry a seed of its own: not on the CPU platform, where a seeded request kills the engine
+    once its prefill is split across scheduler steps ("CPU Generator does not use offset", then a dead engine)."""
+    return not applies()
+
+
 def defaults() -> dict:
     """The engine settings the CPU platform needs unless told otherwise: float32 (bfloat16 runs ~4x slower without
     native support) and eager mode (no compile warm-up of 15-30 s, and the routing capture hooks eager modules)."""

@@ -16,10 +16,9 @@ plus the newest adapter, one ``LoRARequest`` per version (``lora.AdapterSlots``)
 the staged adapter under the new version (no pause, no cache reset, no base-weight reload), and every token of a
 request is tagged with the version of the adapter that request carries.
 
-Requests are not seeded one by one (``Sampling.seed`` is ignored here): with a seeded request, vLLM's CPU path
-fails once a prompt's prefill is split across scheduler steps ("CPU Generator does not use offset", then a dead
-engine), which depends on timing. vLLM runs therefore sample from the engine's seeded stream, as before; per-request
-reproducibility is the torch engine's.
+Seeds: the engine's own (``seed``; None takes the run's, ``RolloutEngine.seed_from``), and each request's
+(``Sampling.seed``) where the platform takes it: not on the CPU, where a seeded request kills the engine once a
+prefill is split across scheduler steps (``phases``: said once; requests then sample from the engine's stream).
 
 Images are not taken (``accepts_images`` is False: a request with images is refused, naming ``TorchEngine``).
 vLLM's vision models (LLaVA, Qwen2-VL) import torchvision, and PyPI builds torchvision for CUDA only, so on this CPU
@@ -70,7 +69,7 @@ class VLLMEngine(VLLMPhases):
         dtype: str | None = None,
         max_model_len: int | None = None,
         enforce_eager: bool | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         kv_cache_gib: int = 1,
         cpu_threads: str | None = None,
         weight_dir: str = "/dev/shm",
@@ -141,6 +140,7 @@ class VLLMEngine(VLLMPhases):
         await self._warm_up()
         await self.llm.update_weight_version(str(self.version))
         await self._open_weights(self.direct_load, self.load_ahead)
+        await self._open_sampler()
         if self.adapter is not None:
             self.adapters = AdapterSlots(self.llm, self.adapter, self.weight_dir)
         if self.captures_routing and not (await self.llm.collective_rpc("molt_capture_routing"))[0]:
@@ -174,9 +174,9 @@ class VLLMEngine(VLLMPhases):
 
         params = SamplingParams(
             output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, not a cumulative copy per token
-            max_tokens=sampling.max_tokens, temperature=sampling.temperature, logprobs=0, detokenize=False,
-            stop_token_ids=list(sampling.stop_token_ids), skip_special_tokens=False,
-            ignore_eos=sampling.ignore_eos,  # no per-request seed: see the module docstring
+            max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, logprobs=0,
+            detokenize=False, stop_token_ids=list(sampling.stop_token_ids), skip_special_tokens=False,
+            ignore_eos=sampling.ignore_eos, seed=self._request_seed(sampling),
         )
         final, request_id = None, f"molt-{next(self._ids)}"
         prompt = {"type": "token", "prompt_token_ids": prompt_ids}  # rendered input: no tokenizer pass, no thread hop

@@ -16,11 +16,17 @@ The sequence (``engines.base.update`` runs it, for one engine or every engine of
 The CPU platform's one addition is asked once at open (``_open_weights``: the worker's ``molt_open``): where vLLM runs
 on its CPU kernels, each staged bucket's kernels are packed ahead (``cpu.PackAhead``) and ``pause`` first waits for
 them; anywhere else the engine sends no such call.
+
+Sampling, asked at open too (``_open_sampler``: the worker's ``molt_sampler``): the engine's seed (a pool's engines
+each have their own: ``RolloutEngine.seed_from``) and whether a request may carry a seed of its own. Where it may (GPU
+platforms), ``Sampling.seed`` goes with each request and a rerun samples the same tokens; on the CPU platform it may
+not (``cpu.takes_request_seeds``), the engine says so once, and requests sample from its own stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Mapping
 
@@ -30,6 +36,7 @@ from ..base import RolloutEngine
 from ..fingerprint import Print
 from .shm import Staging
 
+log = logging.getLogger(__name__)
 Payload = tuple[str, object]  # (channel, data): ("shm", Slab), ("http", base64 safetensors), ("nccl", {name: tensor})
 
 
@@ -43,6 +50,8 @@ class VLLMPhases(RolloutEngine):
         self.ahead = None  # cpu.PackAhead, where the direct load is on and packing ahead was asked for
         self.loaded: list = []  # the workers' answers to the last load of slabs (tensors, packed_ahead, via)
         self._staged: list[Payload] = []
+        self.request_seeds = False  # a request may carry its own seed here (answered at open)
+        self._said_unseeded = False
 
     # ----- the transport: what each engine writes -----
     async def _rpc(self, method: str, *args, timeout: float | None = None) -> list:
@@ -72,6 +81,22 @@ class VLLMPhases(RolloutEngine):
             from .cpu import PackAhead
 
             self.ahead = PackAhead()
+
+    async def _open_sampler(self, timeout: float | None = None) -> None:
+        """Ask the workers for the engine's seed (it becomes ``seed``: a running server's is its own) and whether a
+        request may carry a seed of its own."""
+        answer = (await self._rpc("molt_sampler", timeout=timeout))[0]
+        self.seed, self.request_seeds = int(answer["seed"]), bool(answer["request_seeds"])
+
+    def _request_seed(self, sampling) -> int | None:
+        """``sampling.seed`` where the platform takes it; else None, said once."""
+        if sampling.seed is not None and not self.request_seeds and not self._said_unseeded:
+            self._said_unseeded = True
+            log.info("%s: vLLM's CPU platform takes no per-request seeds (a seeded request kills its engine once a "
+                     "prefill is split), so requests sample from this engine's own stream (seed %d): a pool's "
+                     "engines still differ, but a rerun does not repeat each token (TorchEngine does)", self.where,
+                     self.seed)
+        return sampling.seed if self.request_seeds else None
 
     async def stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
         if self.ahead is not None:

@@ -34,7 +34,9 @@ again. ``check`` (called by the rollout source while it waits) raises once the e
 ``down_timeout_s``, so a run whose server is gone fails with a message instead of waiting. With ``url=None`` the
 engine starts its own loopback server (``server.LocalServer``) and stops it.
 
-Deviation: ``Sampling.seed`` is ignored, as in ``VLLMEngine`` (vLLM's CPU path fails with seeded requests).
+Seeds: a server this engine starts gets ``seed`` (None: the run's, ``RolloutEngine.seed_from``) as ``--seed``; a
+running server keeps the one it was started with (``molt serve --seed``), which the engine reads at open. Requests
+carry ``Sampling.seed`` where the server's platform takes it (not on the CPU: ``phases``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class RemoteVLLMEngine(VLLMPhases):
         nccl_master_address: str | None = None,
         load_ahead: bool = True,
         direct_load: bool = True,
+        seed: int | None = None,
     ):
         """``url``: the server (``http://127.0.0.1:8000``); ``None`` starts one on a free loopback port (with
         ``cpu_threads``, ``server_args`` for vLLM, ``start_timeout_s``). ``api_key`` (default: ``$MOLT_API_KEY``)
@@ -94,7 +97,7 @@ class RemoteVLLMEngine(VLLMPhases):
         self.direct_load, self.load_ahead = direct_load, load_ahead
         self.cpu_threads, self.start_timeout_s, self.server_args = cpu_threads, start_timeout_s, server_args or []
         self.nccl_master_port, self.nccl_master_address = nccl_master_port, nccl_master_address
-        self.server = None  # the LocalServer this engine started, if any
+        self.server, self.seed = None, seed  # the LocalServer this engine started, if any
         self._http = None  # the aiohttp.ClientSession, while open
         self._nccl = None  # the NcclChannel, channel nccl
         self._ids = itertools.count()
@@ -109,7 +112,7 @@ class RemoteVLLMEngine(VLLMPhases):
             from .server import LocalServer
 
             extra = self.server_args + (nccl_channel.SERVER_ARGS if self.channel == "nccl" else [])
-            self.server = LocalServer(model_path, cpu_threads=self.cpu_threads, extra_args=extra)
+            self.server = LocalServer(model_path, cpu_threads=self.cpu_threads, extra_args=extra, seed=self.seed)
             self.url = self.server.url
             await asyncio.to_thread(self.server.wait_ready, self.start_timeout_s)
         self.where = f"at {self.url}"
@@ -124,6 +127,7 @@ class RemoteVLLMEngine(VLLMPhases):
             self.vocab_size = int((await self._rpc("molt_vocab_size", timeout=30))[0])
             await self._set_version(self.version)
             await self._open(timeout=30)
+            await self._open_sampler(timeout=30)
         except EngineUnavailable as e:
             await self.close()
             raise EngineUnavailable(f"{e}. Is `molt serve --policy {model_path}` running there (and reachable, with "
@@ -161,9 +165,10 @@ class RemoteVLLMEngine(VLLMPhases):
         body = {
             "request_id": f"molt-{next(self._ids)}", "token_ids": prompt_ids, "stream": False,
             "sampling_params": {
-                "max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "logprobs": 0,
+                "max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "logprobs": 0,
                 "stop_token_ids": list(sampling.stop_token_ids), "ignore_eos": sampling.ignore_eos,
-                "detokenize": False, "skip_special_tokens": False,  # no per-request seed: see the docstring
+                "detokenize": False, "skip_special_tokens": False, "seed": self._request_seed(sampling),
             },
         }
         out = (await self._post("/inference/v1/generate", json=body, mark_down=True))["choices"][0]

@@ -27,15 +27,18 @@ WORKER = "molt_lightning.engines.vllm.worker.MoltWorkerExtension"
 GUARD = "molt_lightning.engines.vllm.server.Guard"
 
 
-def server_command(policy: str, host: str, port: int, extra: list[str] = ()) -> list[str]:
-    """The server's command line; the platform's dtype and eager mode (``cpu.defaults``) unless ``extra`` sets them."""
+def server_command(policy: str, host: str, port: int, extra: list[str] = (), seed: int | None = None) -> list[str]:
+    """The server's command line; the platform's dtype and eager mode (``cpu.defaults``) unless ``extra`` sets them;
+    the engine's sampling seed (``--seed``: servers seeded alike sample the same completions where requests carry
+    no seed of their own)."""
     platform = cpu.defaults()
     chosen = ([] if "--dtype" in extra or "dtype" not in platform else ["--dtype", platform["dtype"]]) + \
         (["--enforce-eager"] if platform.get("enforce_eager") and "--enforce-eager" not in extra else [])
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", policy, "--host", host,
             "--port", str(port), *chosen, "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
             "--worker-extension-cls", WORKER, "--middleware", GUARD, "--disable-log-stats",
-            "--enable-server-load-tracking", "--uvicorn-log-level", "warning", *extra]
+            "--enable-server-load-tracking", "--uvicorn-log-level", "warning",
+            *([] if seed is None or "--seed" in extra else ["--seed", str(seed)]), *extra]
 
 
 def server_env(api_key: str | None = None, cpu_threads: str | None = None) -> dict[str, str]:
@@ -99,8 +102,11 @@ class LocalServer:
     """One ``molt serve`` child process on a free loopback port."""
 
     def __init__(self, policy: str, port: int | None = None, cpu_threads: str | None = None,
-                 api_key: str | None = None, extra_args: list[str] = (), log_path: str | None = None):
+                 api_key: str | None = None, extra_args: list[str] = (), log_path: str | None = None,
+                 seed: int | None = None):
+        """``seed``: the engine's sampling seed (None: a random one, so that two servers never share a stream)."""
         self.policy, self.port = policy, port or free_port()
+        self.seed = secrets.randbelow(2**31) if seed is None else seed
         self.url = f"http://127.0.0.1:{self.port}"
         self.cpu_threads, self.api_key, self.extra_args = cpu_threads, api_key, list(extra_args)
         self.log_path = log_path or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"molt-serve-{self.port}.log")
@@ -110,7 +116,8 @@ class LocalServer:
     def start(self) -> None:
         """Start (or restart, on the same port) the server process."""
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(server_command(self.policy, "127.0.0.1", self.port, self.extra_args),
+            self.proc = subprocess.Popen(server_command(self.policy, "127.0.0.1", self.port, self.extra_args,
+                                                        self.seed),
                                          env=server_env(self.api_key, self.cpu_threads), stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -40,6 +40,12 @@ class MoltWorkerExtension:
         self._molt_direct = direct and self._molt_cpu
         return self._molt_direct
 
+    def molt_sampler(self) -> dict:
+        """The engine's seed, and whether a request may carry a seed of its own here (``cpu.takes_request_seeds``)."""
+        from . import cpu
+
+        return {"seed": self.model_config.seed, "request_seeds": cpu.takes_request_seeds()}
+
     def molt_prepare_slab(self, slab, token: str) -> int:
         """(CPU platform.) Pack the kernels of a staged bucket ahead of the commit of sync ``token``; the served layers
         are untouched. Returns how many kernels are ready."""
