@@ -89,3 +89,32 @@ def test_quiet_terminal_shows_the_end_of_the_log_when_the_run_fails(tmp_path):
                           "recipes/default.yaml"],
                          cwd=ROOT, env={**os.environ, "MOLT_QUIET": "yes"}, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "MOLT_QUIET='yes': use 1" in bad.stderr
+
+
+def test_a_recipe_run_from_the_checkout_writes_nothing_outside_its_run_folder():
+    """The default recipe (its checkpoint callback saves last.ckpt) and the same with ``logger: false`` (no logger
+    folder: molt's run folder, cli.UNLOGGED), run from the repository root: git sees no new file, and the checkpoints
+    and config.yaml are in the run folder, next to metrics.csv."""
+    import shutil
+
+    from molt_lightning.commands.cli import UNLOGGED
+
+    def untracked() -> set[str]:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout
+        return set(out.splitlines())
+
+    before, runs, unlogged = untracked(), ROOT / "runs" / "default", ROOT / UNLOGGED
+    earlier, had_unlogged = set(runs.glob("version_*")), unlogged.exists()
+    try:
+        assert quiet_run("--trainer.max_steps", "1").returncode == 0
+        assert quiet_run("--trainer.max_steps", "1", "--trainer.logger", "false").returncode == 0
+        assert untracked() == before  # no checkpoints/ or config.yaml in the checkout
+        [run_dir] = set(runs.glob("version_*")) - earlier
+        assert (run_dir / "metrics.csv").exists() and (run_dir / "checkpoints" / "last.ckpt").exists()
+        assert list((unlogged / "checkpoints").glob("*.ckpt")) and (unlogged / "config.yaml").exists()
+    finally:
+        for folder in set(runs.glob("version_*")) - earlier:
+            shutil.rmtree(folder)
+        if not had_unlogged:
+            shutil.rmtree(unlogged, ignore_errors=True)

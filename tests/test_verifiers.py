@@ -116,7 +116,8 @@ def test_a_verifier_failure_is_a_counted_failed_sample_and_the_run_goes_on(tmp_p
     tasks = Tasks([Source(path=str(path), prompt="question", verifier="data_helpers.raises_on_odd_rows")])
     module = AsyncRLModule(agent=Answer(max_tokens=8), tasks=tasks, policy=policy_path, engine=TorchEngine(seed=0),
                            rollout=Rollout(group_size=2, prompts_per_step=2, max_lag=0, max_failure_rate=1.0))
-    trainer = L.Trainer(max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)  # (Lightning's default one would write ./checkpoints)
     trainer.fit(module)
     counts = module.source.counts
     assert counts.failed > 0 and counts.agent["verifier_failed"] == counts.failed

@@ -3,9 +3,10 @@
 Every Trainer flag works (``--trainer.max_steps 3``); ``--trainer.strategy`` is ``auto``, ``ddp``, ``fsdp2`` or
 ``fsdp2_ep`` (two CPU processes: ``--trainer.devices 2``). vLLM is imported only when an engine starts, so
 ``--help`` answers at once. The progress bar counts optimizer steps (``StepProgressBar``) unless the recipe brings its
-own or ``--trainer.enable_progress_bar false``; a summary closes the run (``RunSummary``). On a terminal (or with
-``MOLT_QUIET=1``) that is all the terminal shows: everything else goes to ``molt.log`` in the run folder
-(``callbacks.runlog``). Checkpoints are written atomically, a full disk named
+own or ``--trainer.enable_progress_bar false``; a summary closes the run (``RunSummary``). Checkpoints and
+``config.yaml`` go to the run folder (the logger's; ``UNLOGGED`` for ``logger: false``), never the current
+directory. On a terminal (or with ``MOLT_QUIET=1``) that is all the terminal shows: everything else goes to
+``molt.log`` in the run folder (``callbacks.runlog``). Checkpoints are written atomically, a full disk named
 (``callbacks.checkpoint.AtomicCheckpointIO``), unless the recipe brings its own ``CheckpointIO``. ``molt serve`` starts
 a vLLM server for ``RemoteVLLMEngine``/``EnginePool`` (``molt_lightning.commands.serve``); ``molt export`` writes a
 checkpoint as a Hugging Face folder (``molt_lightning.commands.export``); ``molt eval`` runs a recipe's ``Evaluate``
@@ -50,6 +51,7 @@ EXAMPLES = {  # what a parser key takes, for the fix line of its errors
     "trainer.logger": "a Lightning logger class (e.g. lightning.pytorch.loggers.CSVLogger) or false",
     "trainer.plugins": "Lightning plugins (e.g. a CheckpointIO class)",
 }
+UNLOGGED = "runs/unlogged"  # the run folder of a recipe with `logger: false` and no trainer.default_root_dir
 _UNKNOWN = re.compile(r"does not accept option '([^']+)'|unrecognized arguments: (\S+)|Option '([^']+)' is not acc")
 
 
@@ -265,6 +267,8 @@ def molt_cli(quiet: list | None = None):
                     and not any(isinstance(c, ProgressBar) for c in callbacks):
                 callbacks.append(StepProgressBar(console_kwargs={"file": terminal} if terminal else None))
             kwargs["callbacks"] = [*callbacks, RunSummary(out=terminal)]
+            if trainer.get("logger") is False and not trainer.get("default_root_dir"):  # no run folder: one for
+                kwargs["default_root_dir"] = UNLOGGED  # the checkpoints and config.yaml, not the current directory
             plugins = trainer.get("plugins") or []
             plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
             if isinstance(strategy, str) and not any(isinstance(p, CheckpointIO) for p in plugins):
