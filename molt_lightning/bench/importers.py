@@ -53,7 +53,8 @@ from .runs import RunSetError
 
 STACK_COLUMNS: dict[str, dict] = {
     "molt": {"columns": {"step": "step", "reward": "reward", "step_time_s": "perf/step_time_s",
-                         "tokens_per_s_per_device": "perf/gen_tokens_per_s", "samples_per_step": "batch/samples"},
+                         "tokens_per_s_per_device": "perf/gen_tokens_per_s", "samples_per_step": "batch/samples",
+                         "duplicates": "samples/duplicates"},
              "step_base": 0, "per_device": ("tokens_per_s_per_device",)},
     "trl": {"columns": {"step": "step", "reward": "reward", "step_time_s": "bench/step_time_s",
                         "tokens_per_s_per_device": "bench/gen_tokens_per_s"},

@@ -109,6 +109,7 @@ def from_recipe(spec: dict, printed: str) -> str:
         for col, what, fmt in (("perf/step_time_s", "s/step (median)", ".3f"),
                                ("perf/gen_tokens_per_s", "gen tok/s (median)", ",.0f"),
                                ("lag", "lag (mean)", ".2f"), ("mismatch/kl", "mismatch/kl (mean)", ".4f"),
+                               ("samples/duplicates", "duplicates (mean)", ".1%"),
                                ("samples/dropped_stale_samples_total", "stale drops", ".0f")):
             if col in df and df[col].notna().any():
                 v = df[col].median() if "median" in what else (df[col].max() if "drops" in what else df[col].mean())

@@ -94,7 +94,8 @@ def run_seed(protocol, seed: int, workdir: Path, options: dict):
     L.seed_everything(seed, workers=True, verbose=False)
     rollout = Rollout(
         group_size=int(p["batch"]["samples_per_prompt"]), prompts_per_step=int(p["batch"]["prompts_per_step"]),
-        max_lag=int(p["max_lag"]), temperature=float(p["sampling"]["temperature"]), task_seed=seed,
+        max_lag=int(p["max_lag"]), temperature=float(p["sampling"]["temperature"]),
+        top_p=float(p["sampling"].get("top_p", 1.0)), task_seed=seed,
         admit_ahead=options.get("admit_ahead", True), switch_interval_ms=options.get("switch_interval_ms"))
     optim = Optim(lr=float(p["optimizer"]["lr"]), weight_decay=float(p["optimizer"]["weight_decay"]),
                   grad_clip=float(p["optimizer"]["grad_clip"]))
