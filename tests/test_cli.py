@@ -102,19 +102,20 @@ def untracked() -> set[str]:
     return set(out.splitlines())
 
 
-def test_a_recipe_without_a_logger_keeps_its_checkpoints_in_a_run_folder_not_the_checkout():
-    """``logger: false`` leaves no logger folder: molt's run folder (cli.UNLOGGED) gets the checkpoints and
-    config.yaml, which Lightning would write into the current directory, here the checkout."""
-    import shutil
+def test_a_recipe_without_a_logger_keeps_its_checkpoints_and_config_in_a_run_folder(monkeypatch, tmp_path):
+    """``logger: false`` leaves no logger folder, and Lightning would then write checkpoints and config.yaml into the
+    current directory (the checkout, run from there): molt gives the run a folder of its own (cli.UNLOGGED)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from molt_lightning.commands.cli import UNLOGGED
+    from molt_lightning import AsyncRLModule
+    from molt_lightning.commands.cli import UNLOGGED, MoltParser, molt_cli
 
-    before, unlogged = untracked(), ROOT / UNLOGGED
-    had_unlogged = unlogged.exists()
-    try:
-        assert quiet_run("--trainer.max_steps", "1", "--trainer.logger", "false").returncode == 0
-        assert untracked() == before  # no checkpoints/ or config.yaml in the checkout
-        assert list((unlogged / "checkpoints").glob("*.ckpt")) and (unlogged / "config.yaml").exists()
-    finally:
-        if not had_unlogged:
-            shutil.rmtree(unlogged, ignore_errors=True)
+    monkeypatch.chdir(tmp_path)
+    args = ["--config", str(ROOT / "recipes/default.yaml"), "--model.engine", "molt_lightning.engines.TorchEngine"]
+    for extra, folder in ([], tmp_path / "runs" / "default"), (["--trainer.logger", "false"], tmp_path / UNLOGGED):
+        cli = molt_cli()(AsyncRLModule, run=False, args=args + extra, parser_class=MoltParser,
+                         auto_configure_optimizers=False)
+        [checkpoint] = [c for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint)]
+        checkpoint.setup(cli.trainer, cli.model, "fit")  # where Lightning resolves its folder
+        for path in checkpoint.dirpath, cli.trainer.log_dir:  # config.yaml goes to the log_dir
+            assert Path(path).resolve().is_relative_to(folder), (extra, path)
