@@ -132,6 +132,17 @@ def test_a_pool_gives_each_engine_its_own_seed_from_the_run_seed_and_servers_get
     assert server_command("folder", "127.0.0.1", 8000, ["--seed", "3"], seed=9).count("--seed") == 1  # the user's
 
 
+def test_a_pool_names_engines_that_share_a_seed_while_their_requests_carry_none(policy_path, caplog):
+    a, b = TorchEngine(seed=3), TorchEngine(seed=3)
+    for engine in a, b:
+        engine.request_seeds = False  # as vLLM on the CPU, or servers started with one --seed
+    pool = EnginePool(engines=[a, b])
+    with caplog.at_level(logging.WARNING, logger="molt_lightning.engines.pool"):
+        pool.launch(policy_path)
+        pool.release()
+    assert "sample from the same seed (3)" in caplog.text and "molt serve --seed" in caplog.text
+
+
 @pytest.mark.slow
 def test_vllm_on_the_cpu_says_once_that_requests_sample_from_the_engines_stream(vllm_engine, prompts, caplog):
     assert vllm_engine.request_seeds is False and vllm_engine.seed is not None  # asked of the worker at open

@@ -96,7 +96,7 @@ class EnginePool(RolloutEngine):
         self.vocab_size = sizes.pop()
         for e in self.engines:
             e.loop = self.loop
-        alike = Counter(e.seed for e in self.engines if not getattr(e, "request_seeds", True))
+        alike = Counter(e.seed for e in self.engines if not getattr(e, "request_seeds", True) and e.seed is not None)
         if shared := [seed for seed, n in alike.items() if n > 1]:
             log.warning("engines of the pool sample from the same seed (%s) and their requests carry none: their "
                         "completions repeat each other (samples/duplicates). Start each server with its own "

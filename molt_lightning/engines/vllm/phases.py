@@ -85,15 +85,15 @@ class VLLMPhases(RolloutEngine):
     async def _open_sampler(self, timeout: float | None = None) -> None:
         """Ask the workers for the engine's seed (it becomes ``seed``: a running server's is its own) and whether a
         request may carry a seed of its own."""
-        answer = (await self._rpc("molt_sampler", timeout=timeout))[0]
-        self.seed, self.request_seeds = int(answer["seed"]), bool(answer["request_seeds"])
+        answer = (await self._rpc("molt_sampler", timeout=timeout))[0]  # a seed of None: vLLM's random one
+        self.seed, self.request_seeds = answer["seed"], bool(answer["request_seeds"])
 
     def _request_seed(self, sampling) -> int | None:
         """``sampling.seed`` where the platform takes it; else None, said once."""
         if sampling.seed is not None and not self.request_seeds and not self._said_unseeded:
             self._said_unseeded = True
             log.info("%s: vLLM's CPU platform takes no per-request seeds (a seeded request kills its engine once a "
-                     "prefill is split), so requests sample from this engine's own stream (seed %d): a pool's "
+                     "prefill is split), so requests sample from this engine's own stream (seed %s): a pool's "
                      "engines still differ, but a rerun does not repeat each token (TorchEngine does)", self.where,
                      self.seed)
         return sampling.seed if self.request_seeds else None
