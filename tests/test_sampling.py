@@ -67,6 +67,24 @@ def test_the_nucleus_is_vllms():
     assert torch.equal(torch.isinf(ours), torch.isinf(theirs)) and torch.isinf(ours).any()
 
 
+def test_a_token_outside_the_trainers_nucleus_gets_the_floor_and_no_nan(policy_path):
+    """An older policy sampled it; the current one's nucleus no longer holds it: its logprob is LOGPROB_FLOOR in
+    every pass (no -inf - -inf ratio), and the backward pass stays finite."""
+    from transformers import AutoModelForCausalLM
+
+    from molt_lightning.trainer.policy import LOGPROB_FLOOR, Policy
+
+    policy = Policy(AutoModelForCausalLM.from_pretrained(policy_path, dtype=torch.float32), top_p=0.05)
+    ids = torch.tensor([[1, 5, 9, 13]])  # (1, 4)
+    with torch.no_grad():  # the least likely next token after the prompt: outside a 5% nucleus
+        ids[0, -1] = policy.lm(ids[:, :-1]).logits[0, -1].argmin()
+    mask = torch.tensor([[False, True, True, True]])
+    out = policy.outputs(ids, torch.ones_like(mask), mask, 1.0)
+    assert out.logprobs[0, -1].item() == LOGPROB_FLOOR and torch.isfinite(out.entropy).all()
+    out.logprobs.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in policy.parameters() if p.grad is not None)
+
+
 def check_top_p(engine, policy_path: str, prompts) -> None:
     """At temperature 0.7 and top-p 0.9, each sampled token's engine logprob is the trainer's recomputation (the
     tolerance of the engines' agreement tests)."""

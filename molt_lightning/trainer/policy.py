@@ -52,6 +52,7 @@ from . import prefix
 from ..policies.vision import BatchImages
 
 ROUTING_MODES = ("free", "replay")
+LOGPROB_FLOOR = -1e4  # a token outside the top-p nucleus: probability 0, kept finite (see _logprobs_entropy)
 
 
 @dataclass
@@ -161,9 +162,10 @@ def _head_chunk(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, tempera
 
 def _logprobs_entropy(z: torch.Tensor, targets: torch.Tensor, entropy_grad: bool):
     """The targets' logprobs (...,) under logits ``z`` (..., V) and the distribution's entropy (-inf logits: tokens
-    outside the nucleus, which add nothing to it)."""
+    outside the nucleus, which add nothing to it). A target outside the nucleus (sampled by an older policy whose
+    nucleus held it) gets ``LOGPROB_FLOOR``, not -inf: its importance weight is then 0 and no ratio is NaN."""
     log_z = torch.logsumexp(z, dim=-1)  # (...,)
-    logprobs = z.gather(-1, targets[..., None]).squeeze(-1) - log_z  # (...,)
+    logprobs = (z.gather(-1, targets[..., None]).squeeze(-1) - log_z).clamp(min=LOGPROB_FLOOR)  # (...,)
     zd, log_zd = (z, log_z) if entropy_grad else (z.detach(), log_z.detach())
     entropy = log_zd - (torch.softmax(zd, dim=-1) * zd.clamp(min=torch.finfo(zd.dtype).min)).sum(-1)  # (...,)
     return logprobs, entropy
