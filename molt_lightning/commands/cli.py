@@ -95,10 +95,12 @@ def fix_for(message: str, parser) -> str | None:
         return f"{key} takes {EXAMPLES[key]}" if key else None
     if m := _UNKNOWN.search(message):
         key = next(g for g in m.groups() if g).lstrip("-").split("=")[0]
-        keys, leaf, root = _keys(parser), key.rpartition(".")[2], key.partition(".")[0]
+        keys, (parent, _, leaf), root = _keys(parser), key.rpartition("."), key.partition(".")[0]
         moved = [k for k in keys if k.rpartition(".")[2] == leaf and k.partition(".")[0] == root]  # in a group now
-        leaves = difflib.get_close_matches(leaf, {k.rpartition(".")[2] for k in keys}, n=2)
-        close = moved[:3] or difflib.get_close_matches(key, keys, n=3, cutoff=0.75) \
+        beside = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]  # a typo in the leaf:
+        siblings = [f"{parent}.{s}" for s in difflib.get_close_matches(leaf, beside, n=2, cutoff=0.7)]  # the keys
+        leaves = difflib.get_close_matches(leaf, {k.rpartition(".")[2] for k in keys}, n=2)  # beside it first
+        close = moved[:3] or siblings or difflib.get_close_matches(key, keys, n=3, cutoff=0.75) \
             or [k for k in keys if k.rpartition(".")[2] in leaves][:3]
         prog = parser.prog.replace(" [options]", "")
         known = f"`{prog} --help` lists every key (a recipe nests them under trainer:, model:, seed_everything:)"
