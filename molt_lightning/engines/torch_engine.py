@@ -75,6 +75,7 @@ class TorchEngine(RolloutEngine):
         self.vocab_size = text.vocab_size
         self.eos_ids = _eos_ids(self.model.generation_config, text)
         self.pad_id = text.pad_token_id if text.pad_token_id is not None else 0
+        self.seed_from(0)  # opened without launch (a script): run seed 0's
         self.gen = torch.Generator(device=self.device).manual_seed(self.seed)
         self.capture = moe.RoutingCapture(self.model)  # MoE routers' choices (none for a dense policy)
         self._pending = asyncio.Queue()

@@ -109,6 +109,7 @@ class VLLMEngine(VLLMPhases):
 
     async def open(self, model_path: str) -> None:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        self.seed_from(0)  # opened without launch (a script): run seed 0's
         on_cpu = cpu.defaults()  # {} off the CPU platform
         if on_cpu:
             cpu.set_environment(os.environ, self.kv_cache_gib, self.cpu_threads)
