@@ -11,9 +11,9 @@ it is on when standard output is a terminal.
 
 ``RunSummary`` prints what a user wants after a run: steps and time, the reward at the start and at the end, the agent
 runs that finished and what became of them (trained, failed, dropped, or still waiting when the run ended), the share
-of duplicate completions when it reaches ``DUPLICATES_NOTED`` (``samples/duplicates``), and where everything was
-written. Written by hand: Lightning has no run summary,
-and file-descriptor redirection is a few ``os.dup2`` calls.
+of duplicate completions when it reaches ``DUPLICATES_NOTED`` in the first steps (``samples/duplicates``: a policy that
+has converged repeats itself, one that has just started should not), and where everything was written. Written by
+hand: Lightning has no run summary, and file-descriptor redirection is a few ``os.dup2`` calls.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import lightning as L
 
-DUPLICATES_NOTED = 0.25  # the summary names samples/duplicates from this share of a group's completions up
+DUPLICATES_NOTED = 0.25  # the summary names samples/duplicates from this share in the first steps up
 
 
 def wants_quiet() -> bool:
@@ -130,11 +130,11 @@ class RunSummary(L.Callback):
                      f"{dropped} dropped ({total['dropped_stale_samples']} stale, "
                      f"{total['dropped_filtered_samples']} filtered), {left} not trained when the run ended; "
                      f"{total['dropped_empty_groups']} groups had no usable sample")
-        if self.duplicates and max(d := self._ends(self.duplicates)) >= DUPLICATES_NOTED:
-            lines.append(f"  duplicates: {d[0]:.0%} of a group's completions repeated another one (steps 0-"
-                         f"{min(self.first, n) - 1}) -> {d[1]:.0%} (the last {min(self.last, n)}): a group then holds "
-                         "fewer distinct samples; engines sampling one random stream cause it (docs/engines.md, "
-                         "seeds), so does a policy sure of its answer")
+        if self.duplicates and (d := self._ends(self.duplicates))[0] >= DUPLICATES_NOTED:  # early: not convergence
+            lines.append(f"  duplicates: {d[0]:.0%} of a group's completions repeated another one in steps 0-"
+                         f"{min(self.first, n) - 1} ({d[1]:.0%} in the last {min(self.last, n)}): a group then holds "
+                         "fewer distinct samples; do the engines sample streams of their own? (docs/engines.md, "
+                         "seeds)")
         if trainer.logger is not None:  # (not trainer.log_dir: a collective, and only rank 0 is here)
             lines += _held_out(trainer.logger.log_dir)
             lines.append(f"  run folder: {trainer.logger.log_dir} (metrics.csv, reward.png, config.yaml)")
