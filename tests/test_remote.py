@@ -17,6 +17,7 @@ import pytest
 from molt_lightning.engines.vllm.server import Guard
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from loopback import rpc_results  # noqa: E402
 
 
 # ----- molt serve: who may call the control routes -----
@@ -254,8 +255,7 @@ class FakeServer:
             return JSONResponse({"success": True})
 
         async def rpc(request):
-            method = (await request.json())["method"]
-            return JSONResponse({"results": [291 if method == "molt_vocab_size" else 1]})
+            return JSONResponse(rpc_results(await request.json()))
 
         async def generate(request):
             ids = [16, 17, 2]

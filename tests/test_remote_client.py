@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from molt_lightning.engines import EngineUnavailable, RemoteVLLMEngine, Sampling
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
-from loopback import Loopback  # noqa: E402
+from loopback import Loopback, rpc_results  # noqa: E402
 
 IDS = [16, 17, 2]
 
@@ -48,7 +48,7 @@ class Scripted:
             status, text = self.answers[path]
             return PlainTextResponse(text, status_code=status)
         if path == "/collective_rpc":
-            return JSONResponse({"results": [291]})
+            return JSONResponse(rpc_results(json.loads(await request.body())))
         if path == "/inference/v1/generate":
             return JSONResponse(generation(json.loads(await request.body())))
         return JSONResponse({"success": True})
@@ -117,7 +117,9 @@ def test_64_generations_in_flight_at_once_are_all_answered():
 
     async def handle(request):
         if request.url.path != "/inference/v1/generate":
-            return JSONResponse({"results": [291]} if request.url.path == "/collective_rpc" else {"success": True})
+            if request.url.path == "/collective_rpc":
+                return JSONResponse(rpc_results(json.loads(await request.body())))
+            return JSONResponse({"success": True})
         body = json.loads(await request.body())
         all_in = held.setdefault("event", asyncio.Event())
         arrived.append(body["token_ids"][-1])

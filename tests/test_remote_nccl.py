@@ -21,7 +21,7 @@ from molt_lightning.engines.pool import EnginePool
 from molt_lightning.engines.vllm.remote import RemoteVLLMEngine
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
-from loopback import Loopback  # noqa: E402
+from loopback import Loopback, rpc_results  # noqa: E402
 
 URL = "http://127.0.0.1:9"  # nothing is sent there: the engine fails before
 
@@ -61,7 +61,7 @@ class FakeNcclServer:
             else:
                 return JSONResponse(status_code=500, content={"error": "the bucket was never broadcast"})
         if path == "/collective_rpc":
-            return JSONResponse({"results": [291]})
+            return JSONResponse(rpc_results(body))
         if path == "/get_world_size":
             return JSONResponse({"world_size": self.workers})
         return JSONResponse({"success": True})

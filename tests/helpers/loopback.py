@@ -42,3 +42,12 @@ class Loopback:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def rpc_results(body: dict, vocab_size: int = 291, seed: int = 7) -> dict:
+    """A fake server's ``/collective_rpc`` answer to a ``MoltWorkerExtension`` method, shaped as the real worker's:
+    ``molt_sampler`` gives the engine's seed and no per-request seeds (the CPU platform), every other method
+    ``vocab_size`` (the vocabulary's size, and a true ``molt_open``)."""
+    if body.get("method") == "molt_sampler":
+        return {"results": [{"seed": seed, "request_seeds": False}]}
+    return {"results": [vocab_size]}
