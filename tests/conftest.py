@@ -45,6 +45,23 @@ def pytest_runtest_teardown(item, nextitem) -> None:
                 fixturedef.finish(item._request)
 
 
+_file_seconds: dict[str, float] = {}  # test file -> seconds of its set-ups, calls and tear-downs
+
+
+def pytest_runtest_logreport(report) -> None:
+    name = report.nodeid.split("::")[0]
+    _file_seconds[name] = _file_seconds.get(name, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Where a run of several files spent its time, slowest file first (a slow file shows in CI's log)."""
+    if len(_file_seconds) > 1:
+        terminalreporter.section("seconds per test file (set-up, call, tear-down), the 25 slowest")
+        for name, seconds in sorted(_file_seconds.items(), key=lambda kv: -kv[1])[:25]:
+            terminalreporter.write_line(f"{seconds:8.1f}  {name}")
+        terminalreporter.write_line(f"{sum(_file_seconds.values()):8.1f}  all {len(_file_seconds)} files")
+
+
 @pytest.fixture(scope="session")
 def policy_path() -> str:
     from molt_lightning.models.tiny import arithmetic_policy
