@@ -17,6 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one thread each (and in their subprocesses)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
@@ -24,15 +26,28 @@ SHARED = ("vllm_engine", "vllm_lora_engine", "vllm_moe_engine", "molt_servers") 
 _last_user: dict[str, str] = {}  # shared fixture -> node id of the last collected test of the last file naming it
 
 
+def pytest_itemcollected(item) -> None:
+    """Under ``-n 2 --dist loadgroup`` (``make test``) one worker runs every test of a file that names a shared
+    engine, and the SmolLM2 tests, in file order: the engines live in one process and are stopped before the SmolLM2
+    recipe's 8 GB trainer starts, as in a serial run; everything else spreads over both workers."""
+    if any(name in _text(item.path) for name in SHARED) or "smollm2" in item.name:
+        item.add_marker(pytest.mark.xdist_group("engines"))
+
+
+_texts: dict[Path, str] = {}
+
+
+def _text(path: Path) -> str:
+    return _texts.setdefault(path, path.read_text(encoding="utf-8"))
+
+
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection and any reordering
 def pytest_collection_modifyitems(items) -> None:
     """Find each shared engine's last user: a test that requests it, or any test of a file that names it (tests
     that ``request.getfixturevalue`` it by name)."""
-    texts: dict[Path, str] = {}
     for item in items:
-        text = texts.setdefault(item.path, item.path.read_text(encoding="utf-8"))
         for name in SHARED:
-            if name in getattr(item, "fixturenames", ()) or name in text:
+            if name in getattr(item, "fixturenames", ()) or name in _text(item.path):
                 _last_user[name] = item.nodeid
 
 
