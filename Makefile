@@ -12,14 +12,14 @@ setup-test:
 train: setup  # quiet: the progress bar and a summary; the full log goes to the run folder (MOLT_QUIET=0: all of it)
 	MOLT_QUIET=$${MOLT_QUIET:-1} .venv/bin/molt fit --config recipes/default.yaml
 
-# Everything, on two workers (pytest-xdist): one runs the tests of the shared vLLM engines and SmolLM2 in file order
-# (tests/conftest.py), both share the rest. PYTEST_ARGS=... adds or overrides (e.g. PYTEST_ARGS="-n 0": serial).
+# Everything, on two workers (pytest-xdist): one runs the tests of the vLLM engines and SmolLM2 in file order, both
+# share the rest, longest first (tests/helpers/suite.py). PYTEST_ARGS=... adds or overrides ("-n 0": one process).
 test: setup-test
-	.venv/bin/python -m pytest -q -ra --durations=25 -n 2 --dist loadgroup $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -q -ra --durations=25 -n 2 $(PYTEST_ARGS)
 
-# The edit loop's tier: the unit and pure tests, no real engine, no training run (the `slow` marker), one worker.
+# The edit loop's tier: the unit and pure tests, no real engine start, nothing over 1.5 s (the `slow` marker).
 test-fast: setup-test
-	.venv/bin/python -m pytest -q -ra -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -q -ra -m "not slow" -n 2 $(PYTEST_ARGS)
 
 bench: setup-test
 	.venv/bin/python benchmarks/loop_overlap.py

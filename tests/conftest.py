@@ -9,7 +9,6 @@ the session's end: five engines alive at once beside a later file's own (the Smo
 from __future__ import annotations
 
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -23,51 +22,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one threa
 
 import pytest  # noqa: E402
 
-SHARED = ("vllm_engine", "vllm_lora_engine", "vllm_moe_engine", "molt_servers")  # each a few GB while it lives
+from suite import SHARED, names, text  # noqa: E402  (how the suite runs: tests/helpers/suite.py)
+
+pytest_plugins = ["suite"]
 _last_user: dict[str, str] = {}  # shared fixture -> node id of the last collected test of the last file naming it
-
-
-def group(path: Path, name: str) -> str | None:
-    """A test's group under ``make test`` (``-n 2``, pytest-xdist): ``engines`` for every test of a file that names a
-    shared engine, and the SmolLM2 tests (one worker runs them in file order: the engines live in one process and are
-    stopped before the SmolLM2 recipe's 8 GB trainer starts, as in a serial run); the file, for a file with a fixture
-    of its own wider than a test (made once); else None: the test goes to whichever worker is free."""
-    text = _text(path)
-    if any(shared in text for shared in SHARED) or "smollm2" in name:
-        return "engines"
-    return str(path) if re.search(r'scope="(module|class|session)"', text) else None
-
-
-try:
-    from xdist.scheduler import LoadScopeScheduling
-except ImportError:  # the test extra brings pytest-xdist; without it the suite runs serially
-    pass
-else:
-    def pytest_xdist_make_scheduler(config, log):
-        """xdist's ``loadscope`` scheduling with ``group`` as the scope (its own ``--dist loadgroup`` does nothing on
-        pytest 9.2: it renames ``item._nodeid``, which pytest no longer reads); the largest group is sent first."""
-        class Groups(LoadScopeScheduling):
-            def _split_scope(self, nodeid: str) -> str:
-                file, _, rest = nodeid.partition("::")
-                return group(config.rootpath / file, rest.split("::")[-1]) or nodeid
-
-        return Groups(config, log)
-
-
-def pytest_ignore_collect(collection_path, config):
-    """``-m "not slow"`` (``make test-fast``) leaves out a file whose every test is slow (a module-level ``pytestmark``
-    with ``pytest.mark.slow``) without importing it: importing every library the test files name takes 40 s."""
-    if (config.option.markexpr or "").replace(" ", "") == "notslow" and collection_path.suffix == ".py" \
-            and collection_path.name.startswith("test_"):
-        return bool(re.search(r"^pytestmark = .*pytest\.mark\.slow", _text(Path(collection_path)), re.M)) or None
-    return None
-
-
-_texts: dict[Path, str] = {}
-
-
-def _text(path: Path) -> str:
-    return _texts.setdefault(path, path.read_text(encoding="utf-8"))
 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection and any reordering
@@ -76,7 +34,7 @@ def pytest_collection_modifyitems(items) -> None:
     that ``request.getfixturevalue`` it by name)."""
     for item in items:
         for name in SHARED:
-            if name in getattr(item, "fixturenames", ()) or name in _text(item.path):
+            if name in getattr(item, "fixturenames", ()) or names(text(item.path), name):
                 _last_user[name] = item.nodeid
 
 
@@ -87,23 +45,6 @@ def pytest_runtest_teardown(item, nextitem) -> None:
         if last == item.nodeid:
             for fixturedef in item.session._fixturemanager.getfixturedefs(name, item) or ():
                 fixturedef.finish(item._request)
-
-
-_file_seconds: dict[str, float] = {}  # test file -> seconds of its set-ups, calls and tear-downs
-
-
-def pytest_runtest_logreport(report) -> None:
-    name = report.nodeid.split("::")[0]
-    _file_seconds[name] = _file_seconds.get(name, 0.0) + report.duration
-
-
-def pytest_terminal_summary(terminalreporter) -> None:
-    """Where a run of several files spent its time, slowest file first (a slow file shows in CI's log)."""
-    if len(_file_seconds) > 1:
-        terminalreporter.section("seconds per test file (set-up, call, tear-down), the 25 slowest")
-        for name, seconds in sorted(_file_seconds.items(), key=lambda kv: -kv[1])[:25]:
-            terminalreporter.write_line(f"{seconds:8.1f}  {name}")
-        terminalreporter.write_line(f"{sum(_file_seconds.values()):8.1f}  all {len(_file_seconds)} files")
 
 
 @pytest.fixture(scope="session")

@@ -80,6 +80,7 @@ def trained(batches):
 
 
 # ----- the environments' own scorers, on scripted replies -----
+@pytest.mark.slow
 def test_verifiers_rewards_on_scripted_replies(template):
     tasks = VerifiersTasks(SINGLE, {"num_tasks": 10}, split="eval", eval_size=3)
     sample = list(tasks())[1]
@@ -171,6 +172,7 @@ def test_bad_inputs():
 
 # ----- training on the tiny python-tool policy -----
 @pytest.mark.parametrize("kind", ["verifiers_single_turn", "verifiers_tool", "openenv"])
+@pytest.mark.slow
 def test_environment_trains_only_on_engine_tokens(kind, tool_policy, template, tmp_path, monkeypatch):
     if kind == "openenv":
         agent, tasks = OpenEnvAgent(OPENENV, action=ANSWER, max_turns=3, max_tokens=48), seeds
@@ -221,6 +223,7 @@ class BrokenEnv(openenv_envs.ArithmeticEnv):
         return super().reset(seed, episode_id, **kwargs)
 
 
+@pytest.mark.slow
 def test_broken_environments_fail_samples_and_training_goes_on(tool_policy, template, tmp_path, monkeypatch, caplog):
     """A verifiers reward function that raises (odd tasks) and an OpenEnv step that raises (odd seeds): those samples
     fail with their reasons, are counted and not trained on; the others train."""
@@ -248,6 +251,7 @@ def test_broken_environments_fail_samples_and_training_goes_on(tool_policy, temp
         assert (sample["task"]["idx"] % 2 == 0) if "task" in sample else (sample["seed"] % 2 == 0)
 
 
+@pytest.mark.slow
 def test_verifiers_recipe_runs_through_the_cli(tmp_path):
     import pandas as pd
 

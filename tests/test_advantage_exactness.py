@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -63,6 +64,7 @@ def batches(draw):
 
 @settings(max_examples=150, deadline=None)
 @given(batches(), st.booleans())
+@pytest.mark.slow
 def test_an_all_equal_group_has_exactly_zero_advantage_under_every_group_baseline(drawn, scale):
     inp, equal = drawn
     cfg = Algorithm(scale_by_std=scale)
@@ -94,6 +96,7 @@ def reference(rewards: np.ndarray, groups: np.ndarray, name: str, eps: float) ->
 
 @settings(max_examples=150, deadline=None)
 @given(batches())
+@pytest.mark.slow
 def test_outcome_estimators_match_a_float64_reference_on_continuous_rewards(drawn):
     inp, _ = drawn
     r, g = inp.rewards.double().numpy(), inp.group_ids.numpy()

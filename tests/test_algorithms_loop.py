@@ -59,6 +59,7 @@ def test_recipe_algorithm_trains(recipe, tmp_path, policy_path):
     assert any(not torch.equal(before[k], v) for k, v in module.policy.lm.state_dict().items())
 
 
+@pytest.mark.slow
 def test_ppo_value_head_shares_the_trunk_trains_and_stays_out_of_the_engine(tmp_path):
     module = make(Algorithm(advantage="gae", lam=0.95))
     pushed = []
@@ -91,6 +92,7 @@ def test_kl_reference_is_frozen_and_kl_starts_at_zero(tmp_path):
     assert not any(id(p) in opt_params for p in module.reference.parameters())
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_drops_zero_variance_groups_counts_them_and_refills(tmp_path):
     batches = Batches()
     module = make(Algorithm(group_filter="nonzero_std"))
@@ -223,6 +225,7 @@ def test_gigpo_trains_on_an_environment_whose_turns_share_states(tmp_path):
             assert len(set(keys[groups == g, 0].tolist())) == 1  # one question per group: one first state
 
 
+@pytest.mark.slow
 def test_distillation_from_a_stronger_teacher_closes_the_reverse_kl(tmp_path):
     """The shipped tiny teacher (the student's network, warm-started to take the tool route 90% of the time):
     distillation alone (no reward in the advantage) shrinks KL(student || teacher) on the student's samples."""

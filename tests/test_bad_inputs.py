@@ -65,6 +65,7 @@ def test_yaml_syntax_error_names_the_file_the_line_and_the_fix(tmp_path, capsys)
     assert "fix: the recipe is not valid YAML" in err and "indenting" in err
 
 
+@pytest.mark.slow
 def test_the_shell_sees_a_few_lines_not_a_page_of_usage(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  rollout: {group_size: [2\n")
@@ -225,6 +226,7 @@ def test_a_full_disk_names_the_folder_the_space_and_the_fix_and_keeps_the_last_c
     assert sorted(p.name for p in ckpt.iterdir()) == ["last.ckpt"]  # no partial file left behind
 
 
+@pytest.mark.slow
 def test_molt_fit_stops_on_a_full_disk_with_that_message(recipe, tmp_path, monkeypatch, capsys):
     """Through Lightning: the CLI installs the atomic writer, the second save fails (one line, exit 1), the first
     stays loadable."""
@@ -257,6 +259,7 @@ def _can_mount_tmpfs() -> bool:
 
 
 @pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs user namespaces to mount a small tmpfs (unshare -rm)")
+@pytest.mark.slow
 def test_a_really_full_disk(recipe, tmp_path):
     """A 10 MiB tmpfs holds one checkpoint of the tiny policy (6.5 MiB) but not two."""
     disk = tmp_path / "disk"

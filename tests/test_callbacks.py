@@ -83,6 +83,7 @@ def test_progress_bar_shows_step_reward_and_lag(tmp_path):
     assert line.endswith("reward: -0.123 lag: 2") and len(line) <= 80, line
 
 
+@pytest.mark.slow
 def test_step_time_split_puts_slow_callbacks_in_overhead(tmp_path):
     """perf/step_time_s = trainer idle + gradient step + weight sync + overhead, and a slow callback lands in the
     overhead, not in the gradient step."""

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,6 +28,7 @@ def fit_recipe(name: str, tmp_path, *flags: str, steps: int = 2):
     return out, run_dir, (run_dir / "config.yaml").read_text(), df
 
 
+@pytest.mark.slow
 def test_help_answers_without_importing_vllm():
     code = ("import sys\nfrom molt_lightning.commands.cli import main\n"
             "try:\n    main(['fit', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
@@ -37,12 +39,14 @@ def test_help_answers_without_importing_vllm():
     assert out.stdout.strip().endswith("NO-VLLM")
 
 
+@pytest.mark.slow
 def test_recipe_runs_with_trainer_flags_from_the_command_line(tmp_path):
     out, run_dir, config, _ = fit_recipe("default", tmp_path, "--model.engine", "molt_lightning.engines.TorchEngine")
     assert "Step" in out.stdout and "Epoch" not in out.stdout  # the CLI's default bar counts steps
     assert (run_dir / "reward.png").exists() and "TorchEngine" in config
 
 
+@pytest.mark.slow
 def test_bad_agent_path_is_a_clear_error(tmp_path):
     out = run("-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/default.yaml",
               "--model.agent", "molt_lightning.tasks.arithmetic.no_such_agent", "--trainer.max_steps", "1")
@@ -50,6 +54,7 @@ def test_bad_agent_path_is_a_clear_error(tmp_path):
     assert "no_such_agent" in out.stderr
 
 
+@pytest.mark.slow
 def test_unsupported_strategy_names_the_choices():
     out = run("-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/default.yaml", "--trainer.strategy",
               "fsdp",
@@ -67,6 +72,7 @@ def quiet_run(*args):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_quiet_terminal_shows_the_bar_and_a_summary_and_logs_the_rest_in_the_run_folder(tmp_path):
     before = untracked()
     out = quiet_run("--trainer.max_steps", "3", "--trainer.logger.init_args.save_dir", str(tmp_path))
@@ -85,6 +91,7 @@ def test_quiet_terminal_shows_the_bar_and_a_summary_and_logs_the_rest_in_the_run
     assert len((out.stdout + out.stderr).splitlines()) <= 12
 
 
+@pytest.mark.slow
 def test_quiet_terminal_shows_the_end_of_the_log_when_the_run_fails(tmp_path):
     out = quiet_run("--trainer.max_steps", "1", "--trainer.strategy", "fsdp")  # refused while the Trainer is made
     assert out.returncode != 0

@@ -119,6 +119,7 @@ def test_reasoning_gym_and_generator_sources():
     assert {prompt_key(s) for s in held_out(0)} != tasks.keys()
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_mid_epoch_without_repeats_or_gaps(tmp_path, jsonl, policy_path):
     """Train 4 steps of 4 prompts (epoch: 12 rows), checkpoint after step 2, resume to step 5: the steps that count
     (the audit's replay) trained the prompts of an uninterrupted stream: every row once in epoch 0, then epoch 1."""
@@ -207,6 +208,7 @@ def test_source_settings_are_checked():
         Tasks([Source(reasoning_gym="chain_summ")])
 
 
+@pytest.mark.slow
 def test_molt_fit_answers_bad_data_before_anything_starts(tmp_path):
     """Through the CLI: the recipe's data is read when the recipe is, and a bad row is the error line (no traceback,
     no engine started)."""

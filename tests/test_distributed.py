@@ -91,6 +91,7 @@ def check_disjoint_groups_and_exact_sync(probe: Path, steps: int, first_version:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.slow
 def test_two_ranks_train_disjoint_groups_on_policy_with_exact_sync(strategy, tmp_path):
     # max_lag=0 with two optimizer steps per batch (mini-batches) and micro-batches: the IS ratio stays 1
     probe = fit(tmp_path, strategy, steps=6, max_lag=0, mini_batches=2, micro_batch_tokens=96)
@@ -109,6 +110,7 @@ def test_two_ranks_train_disjoint_groups_on_policy_with_exact_sync(strategy, tmp
     assert records(probe, 0, "step")[-1]["global_step"] == 6  # optimizer steps; versions count batches
 
 
+@pytest.mark.slow
 def test_ddp_trains_a_lora_adapter_with_exact_sync(tmp_path):
     """model.lora under DDP: disjoint groups per rank, the engine holds exactly rank 0's adapter after every sync."""
     probe = fit(tmp_path, "ddp", steps=3, max_lag=0, lora={"r": 8, "alpha": 16})
@@ -133,6 +135,7 @@ def sgd_weights(strategy: str, devices: int, tmp: Path) -> dict:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.slow
 def test_two_ranks_take_the_same_step_as_one_process(strategy, one_process_sgd, tmp_path, policy_path):
     """Two SGD steps (lr 1: the gradient's scale shows, unlike Adam's) on one batch, micro-batched, by two ranks:
     the weights equal the one-process run's (the loss normalizers are batch-wide and the ranks' average is undone)."""
@@ -145,6 +148,7 @@ def test_two_ranks_take_the_same_step_as_one_process(strategy, one_process_sgd, 
     assert moved > 1e-3 and diff < 1e-6, (moved, diff)
 
 
+@pytest.mark.slow
 def test_fsdp2_resumes_from_its_distributed_checkpoint(tmp_path):
     """An FSDP2 run resumes from its distributed checkpoint at the saved step, version and prompt position; before
     that, ``molt export`` makes one folder of the checkpoint, whose logprobs equal those the sharded trainer computed
@@ -199,6 +203,7 @@ def test_fsdp2_with_vllm_syncs_every_bucket(tmp_path):
     assert ((steps["is/ratio_min"] - 1).abs() < 1e-3).all() and ((steps["is/ratio_max"] - 1).abs() < 1e-3).all()
 
 
+@pytest.mark.slow
 def test_fsdp2_with_critic_reference_and_activation_checkpointing(tmp_path):
     """The paths that need more than the policy under FSDP2: a value head whose predictions are gathered from both
     ranks (GAE sees the whole batch), a sharded frozen reference (KL), and activation checkpointing."""

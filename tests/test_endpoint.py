@@ -199,6 +199,7 @@ def test_stock_client_agents_train_only_on_engine_tokens(kind, wire, tool_policy
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_python_tool_recipe_runs_through_the_cli(tool_policy, tmp_path):
     import os
     import subprocess

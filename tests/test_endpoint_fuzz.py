@@ -30,6 +30,7 @@ from molt_lightning.tasks import python_tool
 from molt_lightning.trajectory import Trajectory
 
 LIMIT = 64 << 10  # this module's body limit (the default is Endpoint.MAX_BODY): huge bodies stay cheap to send
+pytestmark = pytest.mark.slow  # about 1,000 requests, and its last test checks what the others left (the whole module)
 CONTEXT = 256
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CHAT, MESSAGES = "/v1/chat/completions", "/v1/messages"

@@ -231,6 +231,7 @@ def _pause_resume(engine, prompts, continuous: bool = False):
     assert all(len(o.token_ids) == long.max_tokens for o in outs)  # every paused request finished after resume
 
 
+@pytest.mark.slow
 def test_torch_engine_pause_keeps_requests(torch_engine, prompts):
     _pause_resume(torch_engine, prompts)
 

@@ -214,6 +214,7 @@ def test_an_episode_gives_its_step_rewards_and_observations_per_turn(tokenizer):
     assert traj.turns == 3 and [s.turn for s in traj.policy_spans()] == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_calculator_env_makes_the_same_tokens_as_calculator_agent(policy_path, tokenizer):
     """The same seeded requests to the torch engine, one run at a time: identical trajectories and rewards."""
     engine, template = TorchEngine(seed=0), ChatTemplate(tokenizer)
@@ -241,6 +242,7 @@ def test_calculator_env_makes_the_same_tokens_as_calculator_agent(policy_path, t
     assert {r for _, r in runs["agent"]} == {0.0, 1.0}
 
 
+@pytest.mark.slow
 def test_the_recipe_runs_through_the_cli(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(

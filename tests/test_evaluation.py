@@ -113,6 +113,7 @@ def fit(tmp_path, policy_path, evaluate: Evaluate, max_lag: int, steps: int, tas
 
 
 @pytest.mark.parametrize("max_lag", [0, 1])
+@pytest.mark.slow
 def test_rounds_run_beside_training_and_name_their_versions(tmp_path, policy_path, max_lag):
     agent = WaitsForTheTrainer(last=10)
     evaluate = Evaluate(arithmetic.tasks, k=2, seed=99, max_prompts=3, every_n_steps=3, at_start=False,
@@ -129,6 +130,7 @@ def test_rounds_run_beside_training_and_name_their_versions(tmp_path, policy_pat
             rounds, agent.waited)
 
 
+@pytest.mark.slow
 def test_start_and_end_rounds_measure_one_version_each(tmp_path, policy_path):
     evaluate = Evaluate(arithmetic.tasks, k=2, seed=99, max_prompts=4)
     module, trainer, rounds, log_dir = fit(tmp_path, policy_path, evaluate, max_lag=1, steps=4)
@@ -145,6 +147,7 @@ def test_start_and_end_rounds_measure_one_version_each(tmp_path, policy_path):
     assert (tmp_path / "run" / "version_0" / "reward.png").exists()
 
 
+@pytest.mark.slow
 def test_the_best_rounds_weights_are_kept(tmp_path, policy_path):
     evaluate = Evaluate(arithmetic.tasks, k=2, seed=99, max_prompts=8, every_n_steps=1, at_start=False,
                         at_end=False, keep_best="eval/heldout/avg@2", temperature=1.0)

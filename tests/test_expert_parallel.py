@@ -33,6 +33,7 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+@pytest.mark.slow
 def test_ep_experts_equal_the_stock_experts_forward_and_backward_with_uneven_and_empty_splits(tmp_path):
     """One sparse layer on 2 gloo processes (``helpers/ep_forward.py``) against transformers' experts in one: the
     outputs and the gradients of hidden states, routing weights and (times world) this rank's expert block."""
@@ -54,6 +55,7 @@ def test_ep_experts_equal_the_stock_experts_forward_and_backward_with_uneven_and
 
 
 @pytest.mark.parametrize("routing", ["free", "replay"])
+@pytest.mark.slow
 def test_two_ranks_with_half_the_experts_each_take_the_same_step_as_one_process(routing, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -153,6 +153,7 @@ def test_molt_serve_serves_an_export_with_transformers_greedy_outputs(tmp_path, 
         server.stop()
 
 
+@pytest.mark.slow
 def test_molt_eval_on_a_checkpoint_and_what_it_refuses(tmp_path, policy_path, capsys):
     """``molt eval --ckpt`` exports the checkpoint (merged) and runs the recipe's evaluation on it, in this process;
     a recipe without ``Evaluate`` and a LoRA adapter folder are refused with the fix."""

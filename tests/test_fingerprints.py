@@ -135,6 +135,7 @@ def test_a_version_tagged_without_a_load_stops_the_run(tmp_path, monkeypatch):
     assert err.value.version == 1 and engine.version == 1  # tagged all the same: what the check exists for
 
 
+@pytest.mark.slow
 def test_a_normal_run_logs_sync_verified_and_the_switch_turns_it_off(tmp_path, caplog):
     from test_loop import fit
 
@@ -145,6 +146,7 @@ def test_a_normal_run_logs_sync_verified_and_the_switch_turns_it_off(tmp_path, c
     assert "sync/verified" not in df and module.weights.verify is False
 
 
+@pytest.mark.slow
 def test_fsdp2_syncs_verify_bucket_by_bucket(tmp_path):
     """Two FSDP2 ranks, 1 MiB buckets (each all-gathered, then sampled by rank 0 as it stages it): every sync of a
     real run is verified."""

@@ -49,6 +49,7 @@ def episode(agent, tokenizer, replies):
 
 @needs_bwrap
 @pytest.mark.parametrize("name", FRAMEWORKS)
+@pytest.mark.slow
 def test_a_framework_episode_records_the_same_tokens_as_the_stock_client(name, tool_tokenizer):
     agent = framework_agent(name)
     replies = [CALL, "408"]  # a python call, then the answer
@@ -89,6 +90,7 @@ def tool_policy():
 
 @needs_bwrap
 @pytest.mark.parametrize("name", FRAMEWORKS)
+@pytest.mark.slow
 def test_a_framework_agent_trains_only_on_engine_tokens(name, tool_policy, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 

@@ -56,6 +56,7 @@ def run_harness(tokenizer, harness: Harness, replies, sample=SAMPLE):
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_an_openai_client_harness_reports_its_reward(tool_tokenizer):
     harness = Harness([sys.executable, EXAMPLE, "--wire", "openai", "--report", "reward"], timeout_s=120)
     result, client, counts = run_harness(tool_tokenizer, harness, [CALL, "408"])
@@ -66,6 +67,7 @@ def test_an_openai_client_harness_reports_its_reward(tool_tokenizer):
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_an_anthropic_client_harness_is_graded_by_a_verifier(tool_tokenizer):
     harness = Harness(f"{sys.executable} {EXAMPLE} --wire anthropic --report answer '{{question}}'", timeout_s=120,
                       score="exact")
@@ -83,6 +85,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_a_hanging_harness_is_killed_with_its_process_group(tool_tokenizer, tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     result, client, counts = run_harness(tool_tokenizer, Harness([sys.executable, BAD, "hang", str(pid_file)],
@@ -164,6 +167,7 @@ def numbered_tasks(seed: int = 0):
         yield {**sample, "n": n}
 
 
+@pytest.mark.slow
 def test_failing_harnesses_are_counted_and_never_trained_on_while_the_run_goes_on(tmp_path, monkeypatch):
     """Per prompt n: n % 8 = 0 hangs, 1 crashes, 2 prints garbage, 3 never calls the endpoint, the rest answer."""
     import psutil
@@ -194,6 +198,7 @@ def test_failing_harnesses_are_counted_and_never_trained_on_while_the_run_goes_o
 
 @needs_bwrap
 @pytest.mark.parametrize("wire", ["openai", "anthropic"])
+@pytest.mark.slow
 def test_a_harness_program_trains_with_the_invariant_checked(wire, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
@@ -207,6 +212,7 @@ def test_a_harness_program_trains_with_the_invariant_checked(wire, tmp_path, mon
     assert all("endpoint_errors" not in t.info and t.info["harness_exit"] == 0 for t in trained)
 
 
+@pytest.mark.slow
 def test_the_harness_recipe_runs_through_the_cli(tmp_path):
     import subprocess
 

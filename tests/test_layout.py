@@ -150,6 +150,7 @@ def test_the_rule_sees_every_kind_of_import(tmp_path):
     assert floor("molt_lightning.engines.vllm.cpu") == (3, "engines")
 
 
+@pytest.mark.slow
 def test_a_moved_module_names_its_new_place(tmp_path):
     """Old import paths (before the folders) fail with the new one; recipes name the new ones."""
     import molt_lightning

@@ -52,6 +52,7 @@ def engine(request):
     return TorchEngine(seed=0) if request.param == "torch" else request.getfixturevalue("vllm_engine")
 
 
+@pytest.mark.slow
 def test_trained_tokens_are_exactly_the_engines(engine, tmp_path, monkeypatch, tokenizer):
     records = record_generations(engine, monkeypatch)
     batches = Batches()
@@ -60,6 +61,7 @@ def test_trained_tokens_are_exactly_the_engines(engine, tmp_path, monkeypatch, t
     assert tool_turns > 0, "the run had no multi-turn (tool) trajectory to check"
 
 
+@pytest.mark.slow
 def test_max_lag_zero_is_exactly_on_policy(engine, tmp_path):
     batches = Batches()
     _, df = fit(make(engine, max_lag=0), tmp_path, steps=4, callbacks=[batches])
@@ -69,6 +71,7 @@ def test_max_lag_zero_is_exactly_on_policy(engine, tmp_path):
         assert set(b.versions[b.loss_mask].tolist()) == {version}
 
 
+@pytest.mark.slow
 def test_several_updates_per_batch_keep_the_lag_bound_and_exact_sync(tmp_path):
     """PPO epochs x mini-batches: 4 optimizer steps per batch, one weight push per batch; the version counts pushes,
     admission and the lag bound work in versions, and the PPO clip is active (the ratio leaves 1 after the first)."""
@@ -89,6 +92,7 @@ def test_several_updates_per_batch_keep_the_lag_bound_and_exact_sync(tmp_path):
     assert df["loss/clip_frac"].dropna().max() > 0
 
 
+@pytest.mark.slow
 def test_end_to_end_changes_parameters_and_logs_every_metric(engine, tmp_path, policy_path):
     from transformers import AutoModelForCausalLM
 
@@ -109,6 +113,7 @@ def test_end_to_end_changes_parameters_and_logs_every_metric(engine, tmp_path, p
     assert (tmp_path / "run" / "version_0" / "reward.png").exists()
 
 
+@pytest.mark.slow
 def test_resume_continues_at_saved_step_and_version(engine, tmp_path):
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
     first = make(engine, max_lag=1)
@@ -158,6 +163,7 @@ async def flaky_agent(client, sample):
     return math.nan if index == 1 else reward
 
 
+@pytest.mark.slow
 def test_failed_agents_and_nan_rewards_are_counted_and_never_trained(tmp_path, caplog):
     batches = Batches()
     module = make(TorchEngine(seed=0), agent=flaky_agent, agent_timeout_s=2.0, max_failure_rate=1.0)  # 75% fail
@@ -178,6 +184,7 @@ def test_failed_agents_and_nan_rewards_are_counted_and_never_trained(tmp_path, c
         assert all(math.isfinite(t.reward) for t in b.trajectories)
 
 
+@pytest.mark.slow
 def test_hook_order_weight_sync_before_rollouts_start(tmp_path):
     from molt_lightning.callbacks import WeightSync
 

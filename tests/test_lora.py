@@ -79,6 +79,7 @@ def check_engine_serves_each_adapter(engine, prompts, peft_lm):  # noqa: F811
     assert outputs[1] != outputs[0] and outputs[2] != outputs[1], "the synced adapter did not change the outputs"
 
 
+@pytest.mark.slow
 def test_torch_engine_serves_the_synced_adapter(policy_path, adapter, prompts, peft_lm):  # noqa: F811
     engine = TorchEngine(seed=0)
     engine.launch(policy_path, adapter)
@@ -203,10 +204,12 @@ def lora_fit(engine, tmp_path, monkeypatch, policy_path, **kw):
     return df
 
 
+@pytest.mark.slow
 def test_lora_fit_on_the_torch_engine(tmp_path, monkeypatch, policy_path):
     lora_fit(TorchEngine(seed=0), tmp_path, monkeypatch, policy_path)
 
 
+@pytest.mark.slow
 def test_lora_max_lag_zero_is_on_policy(tmp_path):
     _, df = fit(make(TorchEngine(seed=0), lora=SPEC, max_lag=0), tmp_path, steps=2)
     assert ((df["is/ratio_min"] - 1).abs() < 1e-3).all() and ((df["is/ratio_max"] - 1).abs() < 1e-3).all()
@@ -217,6 +220,7 @@ def test_lora_fit_on_the_vllm_engine(vllm_lora_engine, tmp_path, monkeypatch, po
     lora_fit(vllm_lora_engine, tmp_path, monkeypatch, policy_path)
 
 
+@pytest.mark.slow
 def test_lora_resumes_with_its_adapter(tmp_path):
     """A checkpoint holds the adapter (and the frozen base): the resumed run starts from the saved adapter, and the
     engine serves it (the first push after the resume carries it)."""
@@ -278,6 +282,7 @@ def test_engine_refuses_the_other_policy_kind_and_foreign_tensors(policy_path, a
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp2_ep"])
+@pytest.mark.slow
 def test_fsdp2_with_lora_is_refused_by_the_cli_before_anything_starts(tmp_path, strategy):
     from test_cli import run
 
@@ -298,6 +303,7 @@ def test_fsdp2_with_lora_is_refused(peft_lm):
         parallel.shard(Policy(peft_lm), ModelParallelStrategy())
 
 
+@pytest.mark.slow
 def test_lora_recipe_trains_through_the_cli(tmp_path, policy_path):
     """recipes/lora.yaml parses (model.lora becomes a LoraSpec) and trains; the sync carries the adapter only."""
     from test_cli import fit_recipe
@@ -309,6 +315,7 @@ def test_lora_recipe_trains_through_the_cli(tmp_path, policy_path):
     assert len(sync) == 2 and (sync == sync.iloc[0]).all() and 0 < sync.iloc[0] < full / 2
 
 
+@pytest.mark.slow
 def test_bad_lora_key_in_a_recipe_names_the_fix(tmp_path):
     from test_cli import run
 

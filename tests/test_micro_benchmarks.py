@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_micro_benchmarks_run_and_check_their_outputs(policy_path):  # the fixture builds the tiny policy if needed
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "benchmarks/micro/test_micro.py", "--benchmark-disable", "-q",

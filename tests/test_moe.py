@@ -224,6 +224,7 @@ def test_loop_with_replay_trains_on_exactly_the_engines_tokens_and_logprobs(moe_
             assert (b.routing[row, : n - 1] >= 0).all() and (b.routing[row, n - 1:] == X).all()
 
 
+@pytest.mark.slow
 def test_moe_recipe_parses_and_trains(tmp_path):
     from test_cli import fit_recipe
 
@@ -259,6 +260,7 @@ def test_vllm_engine_captures_the_routing_hf_computes_and_reloads_experts(vllm_m
     assert torch.equal(out.routing.sort(-1).values, hf_routing(lm, ids[0].tolist())[:-1].sort(-1).values)
 
 
+@pytest.mark.slow
 def test_moe_vllm_recipe_parses():
     from test_cli import run
 

@@ -83,6 +83,7 @@ def expected_rows(trajs: list[Trajectory]):
 # ----- collate: exactly the engine's records, nothing else -----
 @FAST
 @given(trajectories())
+@pytest.mark.slow
 def test_collate_trains_exactly_the_engine_tokens_with_their_records(trajs):
     b = collate(trajs, PAD, max_version=MAX_VERSION)
     rows = list(expected_rows(trajs))
@@ -120,6 +121,7 @@ CORRUPTIONS = {
 
 @FAST
 @given(trajectories(), st.sampled_from(sorted(CORRUPTIONS)), st.data())
+@pytest.mark.slow
 def test_a_policy_token_without_a_valid_engine_record_is_never_trained(trajs, corruption, data):
     spans = [(t, seg, j) for t in trajs for seg in t.segments for j, s in enumerate(seg) if s.kind == Kind.POLICY]
     t, seg, j = data.draw(st.sampled_from(spans))
@@ -130,6 +132,7 @@ def test_a_policy_token_without_a_valid_engine_record_is_never_trained(trajs, co
 
 @FAST
 @given(trajectories(), st.data())
+@pytest.mark.slow
 def test_failed_samples_and_segments_without_a_prompt_never_reach_a_batch(trajs, data):
     t = data.draw(st.sampled_from(trajs))
     if data.draw(st.booleans()):
@@ -143,6 +146,7 @@ def test_failed_samples_and_segments_without_a_prompt_never_reach_a_batch(trajs,
 
 @FAST
 @given(trajectories(), st.data())
+@pytest.mark.slow
 def test_empty_spans_change_nothing(trajs, data):
     """Empty spans (an engine call that returned nothing, an empty tool result) add no row, token or mask bit."""
     before = collate(trajs, PAD, max_version=MAX_VERSION)
@@ -157,6 +161,7 @@ def test_empty_spans_change_nothing(trajs, data):
 # ----- the batch plan: every row trained once, whole groups per rank, masks kept -----
 @FAST
 @given(trajectories(min_size=2), st.integers(1, 3), st.integers(1, 3), st.one_of(st.none(), st.integers(4, 80)))
+@pytest.mark.slow
 def test_the_plan_trains_every_policy_token_exactly_once(trajs, world, mini_batches, budget):
     batch = collate(trajs, PAD, max_version=MAX_VERSION)
     lengths = batch.attention_mask.sum(-1).tolist()
@@ -295,6 +300,7 @@ FAILURES = ["raise", "raise after generating", "timeout", "not a float"]
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 4), st.integers(1, 3), st.data())
+@pytest.mark.slow
 def test_failed_samples_are_counted_and_never_trained(group_size, prompts, data):
     runs = group_size * prompts * 2  # a failure plan for the first runs (later ones succeed): at most 3x that run
     plan_ = data.draw(st.lists(st.sampled_from([None, None, *FAILURES]), min_size=runs, max_size=runs))

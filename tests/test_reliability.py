@@ -61,6 +61,7 @@ def check_kill_and_resume(got: dict, kills: int) -> None:
     assert got["torn"] == 0 and got["orphans"] == 0, got
 
 
+@pytest.mark.slow
 def test_sigkill_and_resume_loses_and_repeats_nothing(tmp_path, uninterrupted):
     got = kill_and_resume(tmp_path, KILLS, int(os.environ.get("MOLT_KILL_SEED", "0")))
     check_kill_and_resume(got, KILLS)
@@ -87,6 +88,7 @@ def test_a_torn_audit_line_is_reported_and_the_next_record_stands_alone(tmp_path
                        {"event": "launch", "pid": 2}]
 
 
+@pytest.mark.slow
 def test_sigterm_while_waiting_for_rollouts_stops_cleanly_and_resumes(tmp_path):
     # every agent sleeps after the first 2 steps' prompts: the trainer is left waiting for rollouts
     config = recipe(tmp_path, steps=4, extra="  agent: slow_agents.sleepy_after_4_prompts")
@@ -104,6 +106,7 @@ def test_sigterm_while_waiting_for_rollouts_stops_cleanly_and_resumes(tmp_path):
     assert [r["step"] for r in kept] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_waiting_for_rollouts_stops_the_run(tmp_path):
     config = recipe(tmp_path, steps=4, extra="  agent: slow_agents.sleepy_after_4_prompts")
     proc = start(config)
@@ -134,6 +137,7 @@ def test_sigterm_with_the_vllm_engine_leaves_no_process_behind(tmp_path):
     assert not alive, [p.cmdline() for p in alive]
 
 
+@pytest.mark.slow
 def test_failure_breaker_stops_a_run_whose_agents_all_fail(tmp_path):
     config = recipe(tmp_path, steps=3)
     proc = start(config, "--model.rollout.max_context", "8")  # every calculator agent overflows its context
@@ -144,6 +148,7 @@ def test_failure_breaker_stops_a_run_whose_agents_all_fail(tmp_path):
     assert out.count("failed and will not be trained on") <= 10  # rate-limited, not a wall of lines
 
 
+@pytest.mark.slow
 def test_empty_task_stream_is_a_clear_error(tmp_path):
     config = recipe(tmp_path, steps=2, extra="  tasks: slow_agents.no_tasks")
     proc = start(config)
@@ -151,6 +156,7 @@ def test_empty_task_stream_is_a_clear_error(tmp_path):
     assert proc.returncode != 0 and "yielded no samples" in out, out[-3000:]
 
 
+@pytest.mark.slow
 def test_processes_an_engine_started_die_with_a_sigkilled_parent(tmp_path):
     psutil = pytest.importorskip("psutil")
     parent = subprocess.Popen([sys.executable, "-c", (
@@ -174,6 +180,7 @@ def write_forever(path: str, first: int) -> None:
         sample_audit._write(trainer, {"event": "train", "step": step, "pad": "x" * (step * 7919 % (2 << 20))})
 
 
+@pytest.mark.slow
 def test_audit_records_survive_sigkill_at_any_instant(tmp_path):
     """Writers SIGKILLed at random instants, each resumed after the last whole record: every record read back is
     whole or reported torn (at most one per kill), and the steps that stand run without a gap. (Each writer is a fork

@@ -218,6 +218,7 @@ def test_a_killed_server_fails_its_requests_and_a_restarted_one_loads_the_curren
         pool.release()
 
 
+@pytest.mark.slow
 def test_a_server_that_never_answers_fails_the_run_within_its_timeout(tmp_path):
     """A loopback socket that accepts connections and never answers: the run fails, naming the server, in time."""
     from molt_lightning.engines import EngineUnavailable, RemoteVLLMEngine
@@ -294,6 +295,7 @@ class StopAt:
 
 
 @pytest.mark.parametrize("pooled", [False, True])
+@pytest.mark.slow
 def test_a_run_whose_engines_are_all_gone_fails_within_the_down_timeout(tmp_path, pooled):
     import lightning as L
 

@@ -146,6 +146,7 @@ def test_a_commit_joins_once_then_pauses_loads_each_bucket_over_nccl_resets_tags
     assert tags == ["0", "3", "4"]
 
 
+@pytest.mark.slow
 def test_a_failed_broadcast_fails_the_commit_resumes_the_server_and_drops_the_group(fake, monkeypatch):
     def broken(self, bucket):
         raise RuntimeError("NCCL error: remote process exited")

@@ -115,6 +115,7 @@ def test_writes_outside_the_directory_fail(sandbox, tmp_path):
 
 
 @pytest.mark.parametrize("keep_going", [False, True], ids=["bomb", "bomb-ignoring-errors"])
+@pytest.mark.slow
 def test_fork_bomb_is_stopped_and_leaves_nothing(sandbox, keep_going):
     loop = "    try:\n        os.fork()\n    except OSError:\n        pass" if keep_going else "    os.fork()"
     result = run(sandbox, f"import os\nprint(os.getuid(), os.getcwd(), flush=True)\nwhile True:\n{loop}")
@@ -132,12 +133,14 @@ def test_memory_blowup_is_a_memory_error(sandbox, code):
     assert "MemoryError" in result.output
 
 
+@pytest.mark.slow
 def test_infinite_loop_is_killed(sandbox):
     result = run(sandbox, "while True:\n    pass")
     assert not result.ok and result.error.split(":")[0] in ("cpu", "timeout"), result
     assert result.seconds < WALL_S + 1.5
 
 
+@pytest.mark.slow
 def test_wall_clock_limit_keeps_what_was_printed(sandbox):
     result = run(sandbox, "import time\nprint('started')\ntime.sleep(60)")
     assert result.error == f"timeout: killed after {WALL_S:g} s wall clock"
@@ -146,6 +149,7 @@ def test_wall_clock_limit_keeps_what_was_printed(sandbox):
     assert result.as_message() == f"started\nerror: timeout: killed after {WALL_S:g} s wall clock"
 
 
+@pytest.mark.slow
 def test_output_flood_is_truncated(sandbox):
     result = run(sandbox, "print('a' * 10**6)\nprint('END')")
     assert result.ok and len(result.output) <= 2000, result.error
@@ -218,6 +222,7 @@ async def hanging_tool_agent(client, sample) -> float:
     return float(result.ok) + 0.0 * len(reply)
 
 
+@pytest.mark.slow
 def test_a_hanging_tool_is_killed_counted_and_the_run_goes_on(tmp_path):
     import lightning as L
     import pandas as pd

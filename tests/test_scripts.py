@@ -67,6 +67,7 @@ def test_readme_quickstart_runs_as_a_script(policy_path, tmp_path):
     assert metrics["reward"].dropna().between(0, 1).all()
 
 
+@pytest.mark.slow
 def test_unguarded_quickstart_fails_fast_with_the_fix(policy_path, tmp_path):
     """The quickstart without its guard stops before vLLM starts, naming the file, the line and the guard."""
     code = readme_snippet()
@@ -254,6 +255,7 @@ def test_engine_core_failure_lists_the_causes(policy_path, monkeypatch):
     assert info.value is other
 
 
+@pytest.mark.slow
 def test_the_gpu_check_refuses_a_machine_without_cuda_by_name():
     """``scripts/gpu_check.sh`` (run by hand on a CUDA machine) stops at once here, saying why; its Python part is
     ``benchmarks/gpu_step.py``, whose torch and vLLM rows ran on this CPU (``--device cpu``) when it was written."""

@@ -218,6 +218,7 @@ def molt(*args, timeout=600):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_molt_sft_help_and_a_bad_row_answered_before_training(tmp_path):
     out = molt("sft", "--help")
     assert out.returncode == 0 and "--data.train" in out.stdout and "--model.out" in out.stdout

@@ -55,11 +55,13 @@ def test_inline_verifiers(spec, reply, answer, expected, read):
     ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", 1.0),
     ("I don't know", "4", 0.0),
 ])
+@pytest.mark.slow
 def test_math_verify(reply, answer, expected):
     pytest.importorskip("math_verify")
     assert score("math", reply, answer).score == expected
 
 
+@pytest.mark.slow
 def test_reasoning_gym_scorer():
     rg = pytest.importorskip("reasoning_gym")
     entry = rg.create_dataset("chain_sum", seed=1, size=1, min_terms=2, max_terms=2)[0]
@@ -85,6 +87,7 @@ def test_a_failing_verifier_is_a_verifier_failure(fn, message):
     assert score("data_helpers.half_credit", "next", "x").score == 0.5  # the pool still serves
 
 
+@pytest.mark.slow
 def test_a_hanging_verifier_is_killed_at_its_deadline():
     t0 = time.perf_counter()
     with pytest.raises(VerifierFailed, match="did not answer within 1.0 s"):
@@ -100,6 +103,7 @@ def test_bad_specs_are_refused_with_the_fix():
         verifiers.resolve("no_such_module.fn")
 
 
+@pytest.mark.slow
 def test_a_verifier_failure_is_a_counted_failed_sample_and_the_run_goes_on(tmp_path, policy_path):
     """A data source whose verifier raises on some replies: those samples fail (counted), the rest train."""
     import json

@@ -203,6 +203,7 @@ def test_collate_and_rows_of_keep_pixel_values_with_their_rows():
         collate([Trajectory(0, 0, [[bad, Span.policy([7], [-0.1], [0])]], reward=1.0)], pad_id=0)
 
 
+@pytest.mark.slow
 def test_loop_trains_on_exactly_the_engines_tokens_with_the_images_it_saw(vlm_path, tmp_path, monkeypatch):
     from test_loop import fit, make
 
@@ -289,6 +290,7 @@ def test_shapes_task_draws_counts_and_scores():
     assert shapes.reward("ANSWER", sample) == 0.0
 
 
+@pytest.mark.slow
 def test_vlm_recipe_parses_and_trains(tmp_path):
     from test_cli import fit_recipe
 

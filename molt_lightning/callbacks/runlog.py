@@ -29,6 +29,16 @@ from pathlib import Path
 
 import lightning as L
 
+UNLOGGED = "runs/unlogged"  # the run folder of a recipe with `logger: false` and no trainer.default_root_dir
+
+
+def unlogged_root(trainer: dict) -> dict:
+    """The Trainer's ``default_root_dir`` for a recipe with ``logger: false`` and none of its own: ``UNLOGGED``, so
+    that its checkpoints and config.yaml do not land in the current directory (``molt fit`` and ``molt sft``)."""
+    return {"default_root_dir": UNLOGGED} if trainer.get("logger") is False and not trainer.get("default_root_dir") \
+        else {}
+
+
 DUPLICATES_NOTED = 0.25  # the summary names samples/duplicates from this share in the first steps up
 
 

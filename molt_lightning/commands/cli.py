@@ -31,6 +31,7 @@ from pathlib import Path
 
 from lightning.pytorch.cli import LightningArgumentParser
 
+from ..callbacks.runlog import UNLOGGED, unlogged_root  # noqa: F401  (UNLOGGED: tests and docs name it here)
 from ..config import imported
 
 EXAMPLES = {  # what a parser key takes, for the fix line of its errors
@@ -51,14 +52,6 @@ EXAMPLES = {  # what a parser key takes, for the fix line of its errors
     "trainer.logger": "a Lightning logger class (e.g. lightning.pytorch.loggers.CSVLogger) or false",
     "trainer.plugins": "Lightning plugins (e.g. a CheckpointIO class)",
 }
-UNLOGGED = "runs/unlogged"  # the run folder of a recipe with `logger: false` and no trainer.default_root_dir
-
-
-def unlogged_root(trainer: dict) -> dict:
-    """The Trainer's ``default_root_dir`` for a recipe with ``logger: false`` and none of its own: ``UNLOGGED``, so
-    that its checkpoints and config.yaml do not land in the current directory (``molt fit`` and ``molt sft``)."""
-    return {"default_root_dir": UNLOGGED} if trainer.get("logger") is False and not trainer.get("default_root_dir") \
-        else {}
 _UNKNOWN = re.compile(r"does not accept option '([^']+)'|unrecognized arguments: (\S+)|Option '([^']+)' is not acc")
 
 

@@ -293,7 +293,7 @@ def sft_cli(argv: list[str], parser_class):
     from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.cli import LightningCLI
 
-    from .cli import unlogged_root
+    from ..callbacks.runlog import unlogged_root
 
     class SFTCLI(LightningCLI):
         def add_arguments_to_parser(self, parser) -> None:

@@ -27,6 +27,7 @@ def kinds(findings):
     return [(f.severity, f.check) for f in findings]
 
 
+@pytest.mark.slow
 def test_healthy_noisy_runs_are_not_flagged():
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -101,6 +102,7 @@ def test_repeated_steps_recorded_at_import_and_lengths(tmp_path, smoke_protocol)
     assert "seed 1 ends at step 4" in lengths.message
 
 
+@pytest.mark.slow
 def test_compare_no_verdict_until_flagged_seed_is_left_out(tmp_path, make_runset, smoke_protocol, capsys):
     healthy = make_runset(tmp_path, "h", [0.5, 0.52, 0.48, 0.51], smoke_protocol)
     other = make_runset(tmp_path, "o", [0.8, 0.82, 0.79, 0.81], smoke_protocol)

@@ -22,6 +22,7 @@ def round_record(version: int, correct: np.ndarray) -> dict:
             "per_prompt": {"chain_sum": [c / 4 for c in correct.tolist()]}}
 
 
+@pytest.mark.slow
 def test_a_run_that_improved_is_called_better(tmp_path, capsys):
     rng = np.random.default_rng(0)
     before, after = rng.binomial(4, 0.2, 200), rng.binomial(4, 0.45, 200)
@@ -35,6 +36,7 @@ def test_a_run_that_improved_is_called_better(tmp_path, capsys):
     assert f"Welch p={p:.2g}" in out
 
 
+@pytest.mark.slow
 def test_two_eval_files_and_a_null_difference(tmp_path):
     same = np.random.default_rng(1).binomial(4, 0.3, 300)
     for name in ("before", "after"):

@@ -45,6 +45,7 @@ def test_summaries_give_what_the_raw_data_path_gives(na, nb, shift, margin, goal
         assert getattr(pub, key) == getattr(raw, key), key
 
 
+@pytest.mark.slow
 def test_the_verdicts_agree_over_many_draws_and_without_variation():
     for _ in range(40):
         a, b = RNG.normal(RNG.uniform(-1, 1), 1.0, 4), RNG.normal(0.0, 1.0, 5)

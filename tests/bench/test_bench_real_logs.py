@@ -113,6 +113,7 @@ def test_areal_console_tables_two_launches(tmp_path):
     assert [x.check for x in findings] == ["lengths"] and "seed 1 ends at step 7" in findings[0].message
 
 
+@pytest.mark.slow
 def test_verl_tensorboard_megatron_and_fsdp_on_one_protocol(tmp_path):
     mcore = imported(tmp_path, ["verl/q3b_mcore_base"], "verl", name="mcore", label="verl Megatron")
     fsdp = imported(tmp_path, ["verl/q3b_fsdp_base"], "verl", name="fsdp", label="verl FSDP")
@@ -131,6 +132,7 @@ def test_verl_tensorboard_megatron_and_fsdp_on_one_protocol(tmp_path):
     assert check.check_runset(mcore) == [] and check.check_runset(fsdp) == []
 
 
+@pytest.mark.slow
 def test_verl_megatron_vs_fsdp_one_run_each_gives_curves_not_a_verdict(tmp_path, capsys):
     for name, src in (("mcore", "q3b_mcore_base"), ("fsdp", "q3b_fsdp_base")):
         assert main(["import", str(LOGS / "verl" / src), "--protocol", "verl-gsm8k-qwen2.5-3b", "--source-stack",

@@ -33,6 +33,7 @@ def test_registry_entries_are_complete_and_point_at_what_exists():
                 assert (PROTOCOL_DIR / f"{ref}.yaml").exists(), (name, ref)
 
 
+@pytest.mark.slow
 def test_reproduce_a_recipe_run_from_a_registry(tmp_path, capsys):
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(yaml.safe_dump({
@@ -60,6 +61,7 @@ def test_reproduce_a_recipe_run_from_a_registry(tmp_path, capsys):
 
 
 @pytest.mark.skipif(not (reproduce.real_logs() / "README.md").exists(), reason="../shared/real-logs not found")
+@pytest.mark.slow
 def test_reproduce_the_real_logs_example_agrees_with_the_readme(tmp_path):
     path = reproduce.reproduce("real-logs-verl-sp-vs-dp", tmp_path / "rep", log=lambda *_: None)
     report = path.read_text()

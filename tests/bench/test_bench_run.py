@@ -26,6 +26,7 @@ def real_runs(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_run_writes_metrics_and_a_manifest(real_runs):
     rs = load_runset(real_runs / "async")
     m = rs.manifest
@@ -45,6 +46,7 @@ def test_run_writes_metrics_and_a_manifest(real_runs):
     assert (f["reward"].between(0, 1)).all()
 
 
+@pytest.mark.slow
 def test_sync_stack_records_max_lag_zero_and_compare_needs_allow(real_runs):
     sync = load_runset(real_runs / "sync")
     assert sync.protocol["max_lag"] == 0 and sync.manifest["stack_changes"] == {"max_lag": 0}
@@ -92,6 +94,7 @@ def test_a_failing_seed_is_recorded_and_reported(tmp_path):
     assert info["status"] == "failed" and "no_such_agent" in info["error"]
 
 
+@pytest.mark.slow
 def test_trl_rollout_func_stack_runs_the_same_protocol(tmp_path):
     pytest.importorskip("trl")
     out = runner.run(load_protocol("arithmetic-smoke"), "trl-rollout-func", 2, tmp_path / "trl", log=lambda *_: None)
@@ -112,6 +115,7 @@ def test_cli_help_is_instant_and_imports_no_torch():
     assert out.stdout.strip() == "False", out.stderr
 
 
+@pytest.mark.slow
 def test_molt_stack_runs_ppo_epochs_and_mini_batches(tmp_path, smoke_protocol):
     """``algorithm.updates_per_batch`` and ``mini_batches`` are real for the molt stack: 2 x 2 optimizer steps per
     batch, and the protocol's ``steps`` still count batches (policy versions)."""

@@ -73,6 +73,7 @@ def test_probability_of_improvement_is_normalised_mann_whitney_u():
     assert stats.prob_improvement(a, b, "min") == pytest.approx(1 - u / (a.size * b.size))
 
 
+@pytest.mark.slow
 def test_iqm_bootstrap_ci_agrees_with_a_hand_written_stratified_bootstrap():
     a, b = RNG.normal(1.0, 1, 12), RNG.normal(0.0, 1, 9)
     lo, hi = stats.bootstrap_ci((a, b), lambda x, y, axis=-1: stats.iqm(x, axis) - stats.iqm(y, axis),
@@ -117,7 +118,8 @@ def test_verdict_branches():
     assert (better.verdict_kind, better.verdict) == ("A better", "A better")
     assert stats.compare(base + 1, base, margin=0.05, goal="min").verdict == "B better"
     assert stats.compare(base, base + 1, margin=0.05).verdict == "B better"
-    noisy = stats.compare(RNG.normal(0.2, 1, 4), RNG.normal(0, 1, 4), margin=0.05)
+    rng = np.random.default_rng(0)  # its own draws: the module's RNG depends on which tests ran before (xdist)
+    noisy = stats.compare(rng.normal(0.2, 1, 4), rng.normal(0, 1, 4), margin=0.05)
     assert noisy.verdict_kind == "inconclusive"
     n = min(noisy.seeds_for_diff, noisy.seeds_for_equiv)
     assert noisy.verdict == f"inconclusive: about {n} seeds per side needed"

@@ -76,6 +76,7 @@ def stock_runs(tmp_path_factory):
     return root, calls
 
 
+@pytest.mark.slow
 def test_stock_trl_generates_itself_and_logs_what_molt_logs(stock_runs):
     root, calls = stock_runs
     assert calls == [8] * 6  # one TRL generate per step (2 prompts x 4 samples), 3 steps x 2 seeds
