@@ -13,9 +13,11 @@ train: setup  # quiet: the progress bar and a summary; the full log goes to the 
 	MOLT_QUIET=$${MOLT_QUIET:-1} .venv/bin/molt fit --config recipes/default.yaml
 
 # Everything, on two workers (pytest-xdist): one runs the tests of the vLLM engines and SmolLM2 in file order, both
-# share the rest, longest first (tests/helpers/suite.py). PYTEST_ARGS=... adds or overrides ("-n 0": one process).
+# share the rest, longest first (tests/helpers/suite.py); then the `serial` tests in one process. PYTEST_ARGS=... adds
+# or overrides ("-n 0": one process).
 test: setup-test
-	.venv/bin/python -m pytest -q -ra --durations=25 -n 2 $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -q -ra --durations=25 -n 2 -m "not serial" $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -q -ra -m serial $(PYTEST_ARGS)
 
 # The edit loop's tier: the unit and pure tests, no real engine start, nothing over 1.5 s (the `slow` marker).
 test-fast: setup-test

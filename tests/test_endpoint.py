@@ -179,7 +179,10 @@ needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
 
 @needs_bwrap
 @pytest.mark.parametrize("wire", ["openai", "anthropic"])
-@pytest.mark.parametrize("kind", ["torch", pytest.param("vllm", marks=pytest.mark.slow)])
+# serial: on vLLM, the Anthropic agents' cancellation at the end of the run outlasted RolloutSource.stop's 60 s in both
+# full runs on two xdist workers (2026-12-05; alone it takes 12 s, also with OMP_NUM_THREADS=1), cause not found yet:
+# make test runs it after the parallel part, in one process
+@pytest.mark.parametrize("kind", ["torch", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.serial])])
 def test_stock_client_agents_train_only_on_engine_tokens(kind, wire, tool_policy, tmp_path, monkeypatch, request):
     """The python-tool agent written against the stock OpenAI client (chat completions) and the same agent written
     against the stock Anthropic client (messages) train on both engines; every trained token is the engine's."""
