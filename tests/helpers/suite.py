@@ -4,14 +4,15 @@ fast tier's file skipping, and the time summary a run ends with.
 ``make test`` runs ``pytest -n 2`` (pytest-xdist). xdist's ``loadscope`` scheduler is used with ``group`` as the
 scope; its own ``--dist loadgroup`` does nothing on pytest 9.2 (it renames ``item._nodeid``, which pytest no longer
 reads). The groups are sent longest first, by ``tests/durations.json`` (seconds per test of a full run; a test not in it
-counts 1 s): a 5-minute test that starts last is a 5-minute tail. ``MOLT_DURATIONS=write`` rewrites the file at the end
-of a run of the whole suite."""
+counts 1 s): a 5-minute test that starts last is a 5-minute tail. ``MOLT_DURATIONS=write`` updates the file with the
+seconds of the tests a run ran."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+from collections import Counter
 from pathlib import Path
 
 SHARED = ("vllm_engine", "vllm_lora_engine", "vllm_moe_engine", "molt_servers")  # each a few GB while it lives
@@ -84,14 +85,16 @@ def pytest_runtest_logreport(report) -> None:
 
 def pytest_terminal_summary(terminalreporter, config) -> None:
     """Where a run of several files spent its time, slowest file first (a slow file shows in CI's log)."""
-    files: dict[str, float] = {}
+    files: Counter[str] = Counter()
     for nodeid, seconds in _seconds.items():
-        files[nodeid.split("::")[0]] = files.get(nodeid.split("::")[0], 0.0) + seconds
+        files[nodeid.split("::")[0]] += seconds
     if len(files) > 1:
         terminalreporter.section("seconds per test file (set-up, call, tear-down), the 25 slowest")
         for name, seconds in sorted(files.items(), key=lambda kv: -kv[1])[:25]:
             terminalreporter.write_line(f"{seconds:8.1f}  {name}")
         terminalreporter.write_line(f"{sum(files.values()):8.1f}  all {len(files)} files")
     if os.environ.get("MOLT_DURATIONS") == "write" and not os.environ.get("PYTEST_XDIST_WORKER"):
-        DURATIONS.write_text(json.dumps({k: round(v, 1) for k, v in sorted(_seconds.items())}, indent=0) + "\n")
-        terminalreporter.write_line(f"wrote {len(_seconds)} tests' seconds to {DURATIONS}")
+        known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}  # make test runs pytest twice:
+        known.update({k: round(v, 1) for k, v in _seconds.items()})  # each run updates the tests it ran
+        DURATIONS.write_text(json.dumps(dict(sorted(known.items())), indent=0) + "\n")
+        terminalreporter.write_line(f"updated {len(_seconds)} tests' seconds in {DURATIONS}")
