@@ -147,6 +147,12 @@ def test_resume_continues_at_saved_step_and_version(engine, tmp_path):
     resumed_ids = {t.sample_id for _, b in batches.seen for t in b.trajectories}
     done_before = set(range(saved["molt"]["rollout"]["next_prompt"])) | set(saved["molt"]["rollout"]["done_beyond"])
     assert resumed_ids and not resumed_ids & done_before
+    # resuming a run that trained its max_steps already trains nothing and starts no engine (vLLM: 40 s saved)
+    idle = TorchEngine(seed=0)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(make(idle), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert trainer.global_step == 3 and idle.loop is None and not trainer.lightning_module._started
 
 
 async def flaky_agent(client, sample):

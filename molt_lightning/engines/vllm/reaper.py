@@ -19,7 +19,7 @@ import sys
 import psutil
 
 WATCHER = r"""
-import sys, psutil
+import sys, time, psutil
 watched = {}
 for line in sys.stdin:
     pid, created = line.split()
@@ -37,7 +37,14 @@ for p in procs:
         p.kill()
     except psutil.Error:
         pass
-psutil.wait_procs(procs, timeout=30)
+def running(p):  # a killed child of the trainer stays a zombie until the trainer reaps it: that counts as gone
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+deadline = time.monotonic() + 30
+while any(map(running, procs)) and time.monotonic() < deadline:
+    time.sleep(0.02)
 """
 
 
