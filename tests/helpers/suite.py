@@ -34,14 +34,16 @@ def group(path: Path, name: str) -> str | None:
     """A test's group: ``engines`` for every test of a file that names a shared engine or holds an in-process vLLM
     engine of its own for the module, and the SmolLM2 tests: one worker runs them in file order, so that one vLLM
     engine spins at a time (its scheduler busy-waits) and the shared ones are stopped before the SmolLM2 recipe's 8 GB
-    trainer starts, as in a serial run. The file, for any other file with a fixture wider than a test (made once).
-    Else None: the test goes to whichever worker is free."""
+    trainer starts, as in a serial run. The file, for the tests of any other file that take one of its fixtures wider
+    than a test (made once) as an argument. Else None: the test goes to whichever worker is free."""
     source = text(path)
-    wide = re.search(r'scope="(module|class|session)"', source)
+    wide = re.findall(r'@pytest\.fixture\(scope="(?:module|class|session)"[^)]*\)\s*\n(?:async )?def (\w+)', source)
     if any(names(source, shared) for shared in SHARED) or "smollm2" in f"{path.name}::{name}" \
             or wide and "VLLMEngine(" in source:
         return "engines"
-    return str(path) if wide else None
+    signature = re.search(rf"def {re.escape(name.partition('[')[0])}\((.*?)\)", source, re.S)
+    takes = signature is None or any(names(signature.group(1), fixture) for fixture in wide)
+    return str(path) if wide and takes else None
 
 
 try:
