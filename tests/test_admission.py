@@ -1,6 +1,7 @@
 """Admission (``molt_lightning.rollout.admission``), a pure record: the lag budget with and without ``admit_ahead``, the
 staleness rule, the prompt ledger and its resume state. Then the same rules in a running rollout source: batches
-oldest first, nothing lost, and the switch interval ``switch_interval_ms`` sets while rollouts run."""
+oldest first, nothing lost, the switch interval ``switch_interval_ms`` sets while rollouts run, and a stop the
+agents ignore fails naming where they wait."""
 
 import asyncio
 import itertools
@@ -123,3 +124,31 @@ def test_switch_interval_is_set_while_rollouts_run_and_restored_after():
     assert sys.getswitchinterval() == before
     with pytest.raises(ValueError, match="switch_interval_ms must be > 0"):
         RolloutSource(None, None, Rollout(switch_interval_ms=0))
+
+
+def test_a_stop_the_agents_ignore_fails_naming_what_each_awaits(monkeypatch, caplog):
+    """An agent that swallows its cancellation: ``stop`` gives up after ``STOP_TIMEOUT_S`` with an error and logs the
+    stack of every task still pending on the engine's loop (where a stop that hangs waits)."""
+    import logging
+    import threading
+
+    from molt_lightning.rollout import source as source_module
+
+    monkeypatch.setattr(source_module, "STOP_TIMEOUT_S", 1)
+    started = threading.Event()
+
+    async def stubborn_agent(client, sample):
+        await client.generate([1, 2], max_tokens=2)
+        started.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            await asyncio.sleep(3600)  # ignores the stop
+
+    source = RolloutSource(stubborn_agent, lambda seed: ({"i": i} for i in range(10_000)),
+                           Rollout(group_size=1, prompts_per_step=1))
+    with caplog.at_level(logging.ERROR, logger="molt_lightning.rollout.source"), pytest.raises(TimeoutError):
+        with running(source, ScriptedEngine(itertools.repeat([5]))):
+            assert started.wait(60)
+    assert "did not end within 1 s of their cancellation" in caplog.text
+    assert "in stubborn_agent" in caplog.text and "asyncio.sleep(3600)  # ignores the stop" in caplog.text

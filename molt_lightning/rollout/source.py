@@ -55,6 +55,7 @@ from ..engines.base import derive_seed
 from ..trajectory import Status, Trajectory
 
 log = logging.getLogger(__name__)
+STOP_TIMEOUT_S = 60  # for the agent runs to end once cancelled (an agent that swallows its cancellation never does)
 Group = list[Trajectory]
 FILTER_PATIENCE = 20  # batches' worth of consecutively rejected groups before dynamic sampling gives up
 LOGGED_PER_KIND = 5  # failures of one kind logged in full; after that only at every power of ten
@@ -134,9 +135,27 @@ class RolloutSource:
             await asyncio.gather(*tasks, return_exceptions=True)
 
         try:
-            asyncio.run_coroutine_threadsafe(cancel(), self._loop).result(60)
+            asyncio.run_coroutine_threadsafe(cancel(), self._loop).result(STOP_TIMEOUT_S)
+        except TimeoutError:
+            log.error("the agent runs did not end within %d s of their cancellation; what each still awaits:\n%s",
+                      STOP_TIMEOUT_S, self._stacks())
+            raise
         finally:
             self._producer, self._stopping = None, False
+
+    def _stacks(self) -> str:
+        """Where the engine loop's thread is and what every pending task of the loop awaits (for a stop that hangs)."""
+        import io
+        import traceback
+
+        out = io.StringIO()
+        thread = getattr(self.engine, "_thread", None)
+        frame = sys._current_frames().get(getattr(thread, "ident", None))
+        if frame is not None:
+            out.write("the engine loop's thread:\n" + "".join(traceback.format_stack(frame)))
+        for task in asyncio.all_tasks(self._loop):
+            task.print_stack(limit=8, file=out)
+        return out.getvalue()
 
     def wake(self) -> None:
         """Wake the producer (from any thread): admission may have opened (a batch taken, a new engine version)."""
