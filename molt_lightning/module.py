@@ -147,7 +147,8 @@ class AsyncRLModule(L.LightningModule):
 
     # ----- the engine and the rollout side (rank 0 owns both: see trainer.parallel) -----
     def train_dataloader(self) -> _BatchStream:
-        if not self._started and self.global_rank == 0 and not self._complete():
+        complete = 0 <= self.trainer.max_steps <= self.trainer.global_step  # a resumed run that is done: no engine
+        if not self._started and self.global_rank == 0 and not complete:
             self.sessions = AgentSessions.for_run(self.engine, self.policy_path, self.tokenizer, self.rollout,
                                                   self.policy.lm.config)
             self.engine.seed_from(self.rollout.task_seed)  # each engine of the run its own stream (a pool's too)
@@ -158,10 +159,6 @@ class AsyncRLModule(L.LightningModule):
             self.source.should_stop = lambda: bool(getattr(self.trainer, "received_sigterm", False))
             self.weights.on_loaded = self.source.wake
         return _BatchStream(self)  # Lightning takes any iterable; a DataLoader would only add its worker machinery
-
-    def _complete(self) -> bool:
-        """A resumed run that has trained its ``max_steps`` already: Lightning skips its loop, so no engine starts."""
-        return 0 <= self.trainer.max_steps <= self.trainer.global_step
 
     def on_train_start(self) -> None:
         if self._started:  # WeightSync.on_train_start (a callback hook, so it ran first) pushed the weights
