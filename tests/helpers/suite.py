@@ -92,7 +92,7 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
         files[nodeid.split("::")[0]] += seconds
     if len(files) > 1:
         terminalreporter.section("seconds per test file (set-up, call, tear-down), the 25 slowest")
-        for name, seconds in sorted(files.items(), key=lambda kv: -kv[1])[:25]:
+        for name, seconds in files.most_common(25):
             terminalreporter.write_line(f"{seconds:8.1f}  {name}")
         terminalreporter.write_line(f"{sum(files.values()):8.1f}  all {len(files)} files")
     if os.environ.get("MOLT_DURATIONS") == "write" and not os.environ.get("PYTEST_XDIST_WORKER"):
