@@ -23,13 +23,16 @@ sparse layer's experts over the ranks, with all-to-all dispatch (``expert_parall
 
 from __future__ import annotations
 
+import logging
 import os
+import platform
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, StrategyRegistry
 
+log = logging.getLogger(__name__)
 STRATEGIES = ("auto", "ddp", "fsdp2", "fsdp2_ep")  # the names --trainer.strategy takes
 SUPPORTED = "auto (one process), ddp, fsdp2, fsdp2_ep (mixture-of-experts: experts split over the ranks)"
 LORA_UNDER_FSDP2 = ("model.lora with --trainer.strategy fsdp2 or fsdp2_ep is not supported yet (the adapter's sync "
@@ -75,6 +78,19 @@ def check_strategy(trainer) -> None:
     if trainer.accelerator.__class__.__name__ == "CPUAccelerator" and trainer.world_size > (cores or 1):
         raise ValueError(f"{trainer.world_size} CPU processes on a machine with {cores} cores would time-slice every "
                          f"collective: use --trainer.devices {cores} or fewer")
+    if trainer.accelerator.__class__.__name__ == "CPUAccelerator" and str(trainer.precision).startswith("bf16") \
+            and not native_bf16():
+        log.warning("--trainer.precision %s on a CPU without native bf16 (no AVX512-BF16, no AMX): torch emulates "
+                    "its matmuls, and SmolLM2's backward pass measured 19x slower than in float32 on such a CPU; "
+                    "use --trainer.precision 32-true here (bf16-mixed pays where the CPU has them)", trainer.precision)
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX on x86; other architectures: assumed)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    return any(getattr(torch.cpu, name, lambda: True)() for name in ("_is_avx512_bf16_supported",
+                                                                     "_is_amx_tile_supported"))
 
 
 def is_sharded(strategy) -> bool:
