@@ -64,7 +64,7 @@ if "fsdp2_ep" not in StrategyRegistry:
 
 
 def check_strategy(trainer) -> None:
-    """A clear error for strategies and device counts the loop does not run under."""
+    """A clear error for strategies and device counts the loop does not run under; a warning for emulated bf16."""
     strategy = trainer.strategy
     if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)) \
             or type(strategy).__name__ in ("FSDPStrategy", "DeepSpeedStrategy"):
@@ -75,11 +75,11 @@ def check_strategy(trainer) -> None:
         raise ValueError("tensor parallelism is not supported yet: use --trainer.strategy fsdp2 (all ranks shard "
                          "the parameters and split the data)")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if trainer.accelerator.__class__.__name__ == "CPUAccelerator" and trainer.world_size > (cores or 1):
+    on_cpu = trainer.accelerator.__class__.__name__ == "CPUAccelerator"
+    if on_cpu and trainer.world_size > (cores or 1):
         raise ValueError(f"{trainer.world_size} CPU processes on a machine with {cores} cores would time-slice every "
                          f"collective: use --trainer.devices {cores} or fewer")
-    if trainer.accelerator.__class__.__name__ == "CPUAccelerator" and str(trainer.precision).startswith("bf16") \
-            and not native_bf16():
+    if on_cpu and str(trainer.precision).startswith("bf16") and not native_bf16():
         log.warning("--trainer.precision %s on a CPU without native bf16 (no AVX512-BF16, no AMX): torch emulates "
                     "its matmuls, and SmolLM2's backward pass measured 19x slower than in float32 on such a CPU; "
                     "use --trainer.precision 32-true here (bf16-mixed pays where the CPU has them)", trainer.precision)
