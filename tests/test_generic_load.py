@@ -126,6 +126,7 @@ def test_off_the_cpu_the_engine_sends_no_packing_call_and_serve_picks_vllms_defa
     assert cpu.defaults() == {}  # the dtype and eager mode are vLLM's own choice
     cmd = server_command("/policy", "127.0.0.1", 8000)
     assert "--enforce-eager" not in cmd and "--dtype" not in cmd and "--worker-extension-cls" in cmd
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]  # vLLM's own server, its own executor
     assert fake_cuda == []
 
 
@@ -135,6 +136,7 @@ def test_on_the_cpu_serve_pins_float32_and_eager_unless_told():
 
     cmd = server_command("/policy", "127.0.0.1", 8000)
     assert cmd[cmd.index("--dtype") + 1] == "float32" and "--enforce-eager" in cmd
+    assert cmd[1:3] == ["-m", "molt_lightning.engines.vllm.server"]  # server.main: the worker in the engine core
     cmd = server_command("/policy", "127.0.0.1", 8000, ["--dtype", "bfloat16"])
     assert cmd.count("--dtype") == 1 and cmd[cmd.index("--dtype") + 1] == "bfloat16"
 

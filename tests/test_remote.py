@@ -81,6 +81,16 @@ def test_served_guard_is_installed(molt_servers):
     assert httpx.post(f"{url}/reset_prefix_cache", timeout=10).json() == {"success": True}
 
 
+def test_a_cpu_server_runs_its_model_worker_inside_the_engine_core(molt_servers):
+    """``cpu.one_process`` through ``server.main``: each server is the API process and one engine core, no separate
+    worker process (a second import of vLLM, ~0.7 GB)."""
+    import psutil
+
+    for server in molt_servers:
+        names = [p.name() for p in psutil.Process(server.proc.pid).children(recursive=True)]
+        assert "VLLM::EngineCore" in names and "VLLM::Worker" not in names, names
+
+
 # ----- a pool of engines in a real run -----
 
 def fit(module, tmp_path, steps, callbacks=()):

@@ -2,7 +2,8 @@
 
 ``molt serve --policy DIR [--port 8000] [--host 127.0.0.1] [--api-key KEY] [--cpu-threads 1] [--seed N] [--nccl]
 [-- VLLM ARGS]`` runs
-``python -m vllm.entrypoints.openai.api_server`` with what the remote engine relies on: the project's worker
+``python -m vllm.entrypoints.openai.api_server`` (on the CPU platform through ``engines.vllm.server.main``: the model
+worker inside the engine core's process) with what the remote engine relies on: the project's worker
 extension (weight loads through ``/collective_rpc``), processed logprobs, the token-in/token-out route
 (``--enable-scale-out``), the RL and dev routes (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/resume``,
 ``/update_weight_version``, ``/reset_prefix_cache``, ``/collective_rpc``), ``Guard``, and the dtype and eager mode

