@@ -5,7 +5,8 @@ Needs root, buildah and debootstrap (`apt-get install -y buildah debootstrap`; .
 mirror and PyPI during the build: skipped without the tools. From nothing (no base image, no layer cache) the build
 takes about 7-10 minutes on 2 cores; with buildah's layer cache an unchanged tree rebuilds in seconds, and a changed
 package only its last layers: `.ci/run` builds the image before the suite (set-up), so in CI this test rebuilds from
-the cache. The commands run inside the image reach no network (HF_HUB_OFFLINE=1, the tiny policy is built into the image).
+the cache. The commands run inside the image reach no network (HF_HUB_OFFLINE=1, the tiny policy is built into the
+image).
 """
 
 from __future__ import annotations

@@ -282,15 +282,13 @@ def test_engine_refuses_the_other_policy_kind_and_foreign_tensors(policy_path, a
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp2_ep"])
-@pytest.mark.slow
-def test_fsdp2_with_lora_is_refused_by_the_cli_before_anything_starts(tmp_path, strategy):
-    from test_cli import run
+def test_fsdp2_with_lora_is_refused_by_the_cli_before_anything_starts(tmp_path, capsys, strategy):
+    from test_bad_inputs import ROOT, answer  # molt fit in this process: the error line, no traceback
 
-    out = run("-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/lora.yaml", "--trainer.strategy",
-              strategy,
-              "--trainer.devices", "2", "--trainer.logger.init_args.save_dir", str(tmp_path))
-    assert out.returncode != 0 and "model.lora with --trainer.strategy fsdp2 or fsdp2_ep is not supported" in out.stderr
-    assert "use --trainer.strategy ddp" in out.stderr and "Traceback" not in out.stderr
+    err = answer(capsys, "--config", str(ROOT / "recipes/lora.yaml"), "--trainer.strategy", strategy,
+                 "--trainer.devices", "2", "--trainer.logger.init_args.save_dir", str(tmp_path))
+    assert "model.lora with --trainer.strategy fsdp2 or fsdp2_ep is not supported" in err
+    assert "use --trainer.strategy ddp" in err
 
 
 def test_fsdp2_with_lora_is_refused(peft_lm):
@@ -315,11 +313,10 @@ def test_lora_recipe_trains_through_the_cli(tmp_path, policy_path):
     assert len(sync) == 2 and (sync == sync.iloc[0]).all() and 0 < sync.iloc[0] < full / 2
 
 
-@pytest.mark.slow
-def test_bad_lora_key_in_a_recipe_names_the_fix(tmp_path):
-    from test_cli import run
+def test_bad_lora_key_in_a_recipe_names_the_fix(tmp_path, capsys):
+    from test_bad_inputs import ROOT, answer
 
-    out = run("-m", "molt_lightning.commands.cli", "fit", "--config", "recipes/lora.yaml",
-              "--model.engine", "molt_lightning.engines.TorchEngine", "--model.lora.r", "0",
-              "--trainer.logger.init_args.save_dir", str(tmp_path))
-    assert out.returncode != 0 and "model.lora.r must be between 1 and 512" in out.stderr
+    err = answer(capsys, "--config", str(ROOT / "recipes/lora.yaml"), "--model.engine",
+                 "molt_lightning.engines.TorchEngine", "--model.lora.r", "0",
+                 "--trainer.logger.init_args.save_dir", str(tmp_path))
+    assert "model.lora.r must be between 1 and 512" in err

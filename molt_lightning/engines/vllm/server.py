@@ -36,10 +36,11 @@ def server_command(policy: str, host: str, port: int, extra: list[str] = (), see
     platform = cpu.defaults()
     chosen = ([] if "--dtype" in extra or "dtype" not in platform else ["--dtype", platform["dtype"]]) + \
         (["--enforce-eager"] if platform.get("enforce_eager") and "--enforce-eager" not in extra else [])
-    return [sys.executable, "-m", "molt_lightning.engines.vllm.server" if platform else SERVER, "--model", policy, "--host", host,
-            "--port", str(port), *chosen, "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
-            "--worker-extension-cls", WORKER, "--middleware", GUARD, "--disable-log-stats",
-            "--enable-server-load-tracking", "--uvicorn-log-level", "warning",
+    module = "molt_lightning.engines.vllm.server" if platform else SERVER  # on the CPU: main() below
+    return [sys.executable, "-m", module, "--model", policy, "--host", host, "--port", str(port), *chosen,
+            "--logprobs-mode", "processed_logprobs", "--enable-scale-out", "--worker-extension-cls", WORKER,
+            "--middleware", GUARD, "--disable-log-stats", "--enable-server-load-tracking", "--uvicorn-log-level",
+            "warning",
             *([] if seed is None or "--seed" in extra else ["--seed", str(seed)]), *extra]
 
 
