@@ -218,15 +218,21 @@ def molt(*args, timeout=600):
                           text=True, timeout=timeout)
 
 
-@pytest.mark.slow
-def test_molt_sft_help_and_a_bad_row_answered_before_training(tmp_path):
-    out = molt("sft", "--help")
-    assert out.returncode == 0 and "--data.train" in out.stdout and "--model.out" in out.stdout
-    assert "--optimizer" not in out.stdout  # the module's own AdamW and schedule
+def test_molt_sft_help_and_a_bad_row_answered_before_training(tmp_path, capsys):
+    from molt_lightning.commands.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["sft", "--help"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0 and "--data.train" in out and "--model.out" in out
+    assert "--optimizer" not in out  # the module's own AdamW and schedule
     bad = write(tmp_path / "bad.jsonl", [GOOD, {"messages": [CALC[0]]}])
-    out = molt("sft", "--config", "recipes/sft_tiny.yaml", "--data.train", bad, "--trainer.logger", "false")
-    assert out.returncode != 0 and f"{bad}, row 1: no assistant message" in out.stderr
-    assert "Traceback" not in out.stderr and "Trainable params" not in out.stdout  # nothing started
+    with pytest.raises(SystemExit) as stop:
+        main(["sft", "--config", str(ROOT / "recipes/sft_tiny.yaml"), "--data.train", bad, "--trainer.logger",
+              "false"])
+    out = capsys.readouterr()
+    assert stop.value.code == 2 and f"{bad}, row 1: no assistant message" in out.err
+    assert "Traceback" not in out.err and "Trainable params" not in out.out  # nothing started
 
 
 @pytest.mark.slow
