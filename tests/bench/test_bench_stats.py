@@ -81,7 +81,7 @@ def test_iqm_bootstrap_ci_agrees_with_a_hand_written_stratified_bootstrap():
     rng = np.random.default_rng(7)
     ia = rng.integers(0, a.size, (20000, a.size))
     ib = rng.integers(0, b.size, (20000, b.size))
-    diffs = [stats.iqm(a[i]) - stats.iqm(b[j]) for i, j in zip(ia, ib)]  # each side resampled on its own
+    diffs = stats.iqm(a[ia], axis=1) - stats.iqm(b[ib], axis=1)  # each side resampled on its own, row by row
     ref_lo, ref_hi = np.percentile(diffs, [2.5, 97.5])
     width = ref_hi - ref_lo
     assert lo == pytest.approx(ref_lo, abs=0.05 * width)
