@@ -35,14 +35,17 @@ def group(path: Path, name: str) -> str | None:
     engine of its own for the module, and the SmolLM2 tests: one worker runs them in file order, so that one vLLM
     engine spins at a time (its scheduler busy-waits) and the shared ones are stopped before the SmolLM2 recipe's 8 GB
     trainer starts, as in a serial run. The file, for the tests of any other file that take one of its fixtures wider
-    than a test (made once) as an argument. Else None: the test goes to whichever worker is free."""
+    than a test (made once) as an argument, or every test of a file with such a fixture used automatically (e.g. a
+    module's worker pool: split across workers it would be made again for each test). Else None: the test goes to
+    whichever worker is free."""
     source = text(path)
     wide = re.findall(r'@pytest\.fixture\(scope="(?:module|class|session)"[^)]*\)\s*\n(?:async )?def (\w+)', source)
     if any(names(source, shared) for shared in SHARED) or "smollm2" in f"{path.name}::{name}" \
             or wide and "VLLMEngine(" in source:
         return "engines"
     signature = re.search(rf"def {re.escape(name.partition('[')[0])}\((.*?)\)", source, re.S)
-    takes = signature is None or any(names(signature.group(1), fixture) for fixture in wide)
+    takes = signature is None or any(names(signature.group(1), fixture) for fixture in wide) \
+        or re.search(r'@pytest\.fixture\(scope="(?:module|class|session)"[^)]*autouse=True', source) is not None
     return str(path) if wide and takes else None
 
 
