@@ -241,7 +241,7 @@ def test_engine_core_failure_lists_the_causes(policy_path, monkeypatch):
     def fail(*args, **kwargs):
         raise original
 
-    monkeypatch.setattr(AsyncLLM, "from_engine_args", fail)
+    monkeypatch.setattr(AsyncLLM, "from_vllm_config", fail)
     with pytest.raises(RuntimeError) as info:
         asyncio.run(VLLMEngine().open(policy_path))
     assert info.value.__cause__ is original
@@ -249,7 +249,7 @@ def test_engine_core_failure_lists_the_causes(policy_path, monkeypatch):
     assert GUARD in message and "VLLM_CPU_KVCACHE_SPACE=1 GiB" in message and "kv_cache_gib" in message
 
     other = RuntimeError("something else")
-    monkeypatch.setattr(AsyncLLM, "from_engine_args", lambda *a, **k: (_ for _ in ()).throw(other))
+    monkeypatch.setattr(AsyncLLM, "from_vllm_config", lambda *a, **k: (_ for _ in ()).throw(other))
     with pytest.raises(RuntimeError) as info:
         asyncio.run(VLLMEngine().open(policy_path))
     assert info.value is other
