@@ -193,6 +193,7 @@ def test_the_cpu_engine_runs_its_model_worker_inside_the_engine_core(vllm_engine
     assert "VLLM::EngineCore" in names and "VLLM::Worker" not in names, names
 
 
+@pytest.mark.slow
 def test_vllm_engine_stage_copies(vllm_engine, prompts, weights, hf_model):
     _stage_copies(vllm_engine, prompts, weights, hf_model)
     vllm_engine.call(vllm_engine.update_weights(weights, 0))  # the session's engine goes back to the policy

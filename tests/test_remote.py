@@ -81,6 +81,7 @@ def test_served_guard_is_installed(molt_servers):
     assert httpx.post(f"{url}/reset_prefix_cache", timeout=10).json() == {"success": True}
 
 
+@pytest.mark.slow  # a real vLLM engine
 def test_a_cpu_server_runs_its_model_worker_inside_the_engine_core(molt_servers):
     """``cpu.one_process`` through ``server.main``: each server is the API process and one engine core, no separate
     worker process (a second import of vLLM, ~0.7 GB)."""
