@@ -133,7 +133,7 @@ class VLLMEngine(VLLMPhases):
             with cpu.bound_to(self.cpu_threads if on_cpu else None):
                 config = args.create_engine_config()
                 self.llm = AsyncLLM.from_vllm_config(cpu.one_process(config) if on_cpu else config,
-                                                     disable_log_stats=True)
+                                                     disable_log_stats=args.disable_log_stats)
             self.reaper.watch(self.reaper.children() - before)
         except RuntimeError as e:
             if "Engine core initialization failed" not in str(e):
