@@ -90,32 +90,40 @@ def check_disjoint_groups_and_exact_sync(probe: Path, steps: int, first_version:
         assert len({s["checksum"] for s in syncs}) == len(syncs)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-@pytest.mark.slow
-def test_two_ranks_train_disjoint_groups_on_policy_with_exact_sync(strategy, tmp_path):
-    # max_lag=0 with two optimizer steps per batch (mini-batches) and micro-batches: the IS ratio stays 1
-    probe = fit(tmp_path, strategy, steps=6, max_lag=0, mini_batches=2, micro_batch_tokens=96)
-    check_disjoint_groups_and_exact_sync(probe, steps=3)
+def check_on_policy_mini_batches(tmp_path: Path, probe: Path, strategy: str, versions: int) -> pd.DataFrame:
+    """Disjoint groups per rank, exact syncs, each rank's share of every tensor, and ``max_lag=0`` with two optimizer
+    steps per batch (mini-batches) and micro-batches: the IS ratio stays 1. Returns the logged steps."""
+    check_disjoint_groups_and_exact_sync(probe, steps=versions)
     shares = [records(probe, rank, "shares")[0]["shares"] for rank in (0, 1)]
     for name, share in shares[0].items():
         if strategy == "fsdp2":  # each rank holds its half of every tensor (dim 0 split; an odd size is off by one)
             assert 0.4 <= share <= 0.6 and abs(share + shares[1][name] - 1) < 1e-9, name
         else:
             assert share == 1.0
-    df = metrics(tmp_path, "run")
-    steps = df.dropna(subset=["reward"])
-    assert len(steps) == 3 and steps["lag/max"].max() == 0
+    steps = metrics(tmp_path, "run").dropna(subset=["reward"])
+    assert len(steps) == versions and steps["lag/max"].max() == 0
     assert (steps["batch/optimizer_steps"] == 2).all()
     assert ((steps["is/ratio_min"] - 1).abs() < 1e-3).all() and ((steps["is/ratio_max"] - 1).abs() < 1e-3).all()
-    assert records(probe, 0, "step")[-1]["global_step"] == 6  # optimizer steps; versions count batches
+    assert records(probe, 0, "step")[-1]["global_step"] == 2 * versions  # optimizer steps; versions count batches
+    return steps
+
+
+ON_POLICY = dict(max_lag=0, mini_batches=2, micro_batch_tokens=96)
 
 
 @pytest.mark.slow
-def test_ddp_trains_a_lora_adapter_with_exact_sync(tmp_path):
-    """model.lora under DDP: disjoint groups per rank, the engine holds exactly rank 0's adapter after every sync."""
-    probe = fit(tmp_path, "ddp", steps=3, max_lag=0, lora={"r": 8, "alpha": 16})
-    check_disjoint_groups_and_exact_sync(probe, steps=3)
-    assert (metrics(tmp_path, "run")["perf/sync_bytes"].dropna() == 188_416).all()  # the tiny policy's r=8 adapter
+def test_two_ddp_ranks_train_a_lora_adapter_on_policy_with_exact_sync(tmp_path):
+    """model.lora under DDP, on policy with mini- and micro-batches: disjoint groups per rank, the engine holds exactly
+    rank 0's adapter after every sync (the run that was also test_ddp_trains_a_lora_adapter_with_exact_sync)."""
+    probe = fit(tmp_path, "ddp", steps=6, lora={"r": 8, "alpha": 16}, **ON_POLICY)
+    steps = check_on_policy_mini_batches(tmp_path, probe, "ddp", versions=3)
+    assert (steps["perf/sync_bytes"] == 188_416).all()  # the tiny policy's r=8 adapter
+
+
+@pytest.mark.slow
+def test_two_fsdp2_ranks_train_disjoint_groups_on_policy_with_exact_sync(tmp_path):
+    """FSDP2 on policy with mini- and micro-batches: each rank holds half of every tensor."""
+    check_on_policy_mini_batches(tmp_path, fit(tmp_path, "fsdp2", steps=6, **ON_POLICY), "fsdp2", versions=3)
 
 
 @pytest.fixture(scope="module")
