@@ -88,6 +88,24 @@ def pytest_runtest_logreport(report) -> None:
     _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
 
 
+def core_gflops(n: int = 256, seconds: float = 0.5) -> float:
+    """One core's float32 matmul rate, to read a run's times against (measured after the tests, on a quiet core)."""
+    import time
+
+    import torch
+
+    threads, a = torch.get_num_threads(), torch.randn(n, n)
+    torch.set_num_threads(1)
+    try:
+        done, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a @ a
+            done += 1
+        return 2 * n**3 * done / (time.perf_counter() - t0) / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
 def pytest_terminal_summary(terminalreporter, config) -> None:
     """Where a run of several files spent its time, slowest file first (a slow file shows in CI's log)."""
     files: Counter[str] = Counter()
@@ -98,6 +116,8 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
         for name, seconds in files.most_common(25):
             terminalreporter.write_line(f"{seconds:8.1f}  {name}")
         terminalreporter.write_line(f"{sum(files.values()):8.1f}  all {len(files)} files")
+        terminalreporter.write_line(f"this machine: {core_gflops():.0f} GFLOP/s on one core (float32 matmul; draws of "
+                                    "one machine kind differ ~3x, and the suite's time with them: docs/testing.md)")
     if os.environ.get("MOLT_DURATIONS") == "write" and not os.environ.get("PYTEST_XDIST_WORKER"):
         known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}  # make test runs pytest twice:
         known.update({k: round(v, 1) for k, v in _seconds.items()})  # each run updates the tests it ran
