@@ -111,14 +111,15 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     files: Counter[str] = Counter()
     for nodeid, seconds in _seconds.items():
         files[nodeid.split("::")[0]] += seconds
-    if len(files) > 1:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # a worker's summary is seen by no one: the controller's counts
+    if len(files) > 1 and not worker:
         terminalreporter.section("seconds per test file (set-up, call, tear-down), the 25 slowest")
         for name, seconds in files.most_common(25):
             terminalreporter.write_line(f"{seconds:8.1f}  {name}")
         terminalreporter.write_line(f"{sum(files.values()):8.1f}  all {len(files)} files")
         terminalreporter.write_line(f"this machine: {core_gflops():.0f} GFLOP/s on one core (float32 matmul; draws of "
                                     "one machine kind differ ~3x, and the suite's time with them: docs/testing.md)")
-    if os.environ.get("MOLT_DURATIONS") == "write" and not os.environ.get("PYTEST_XDIST_WORKER"):
+    if os.environ.get("MOLT_DURATIONS") == "write" and not worker:
         known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}  # make test runs pytest twice:
         known.update({k: round(v, 1) for k, v in _seconds.items()})  # each run updates the tests it ran
         DURATIONS.write_text(json.dumps(dict(sorted(known.items())), indent=0) + "\n")
