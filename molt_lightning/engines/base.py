@@ -105,7 +105,7 @@ class RolloutEngine(ABC):
     ``load``, ``tag``; ``open`` sets ``vocab_size`` (the size of the distribution the engine samples from). An engine
     that records the experts a mixture-of-experts policy routed each position to (``Generation.routing``, for routing
     replay) sets ``captures_routing``; one that conditions on images (``generate(..., images=...)``) sets
-    ``accepts_images``."""
+    ``accepts_images``; one that scores given tokens (``score``: a teacher's logprobs) implements ``_score``."""
 
     captures_routing = False
     accepts_images = False
@@ -273,6 +273,24 @@ class RolloutEngine(ABC):
         with self._lock:
             self._tokens += len(out.token_ids)
         return out
+
+    # ----- scoring (a teacher on an engine) -----
+    async def score(self, token_ids: list[int], start: int, temperature: float = 1.0) -> list[float]:
+        """log p(token_ids[i] | token_ids[:i]) for every i in [start, len(token_ids)), under softmax(logits /
+        temperature) (no top-p, no top-k): what the trainer's frozen teacher computes
+        (``trainer.policy.Policy.outputs(...).logprobs``), so a teacher served by an engine can score the tokens
+        another model sampled (on-policy distillation). The engine's current weights; counted like a request."""
+        if not 1 <= start < len(token_ids):
+            raise ValueError(f"score needs 1 <= start < len(token_ids) (every scored token has a context): got start "
+                             f"{start} for {len(token_ids)} tokens")
+        if not temperature > 0:
+            raise ValueError(f"score needs a temperature > 0, got {temperature}")
+        with self._busy():
+            return await self._score(list(token_ids), start, temperature)
+
+    async def _score(self, token_ids: list[int], start: int, temperature: float) -> list[float]:
+        raise NotImplementedError(f"{type(self).__name__} cannot score tokens (a teacher's logprobs): use TorchEngine, "
+                                  "VLLMEngine, RemoteVLLMEngine or EnginePool")
 
     def take_stats(self) -> dict[str, float]:
         """Idle seconds (no request in flight) and generated tokens since the previous call."""

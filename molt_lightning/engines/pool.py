@@ -130,6 +130,11 @@ class EnginePool(RolloutEngine):
         self.routed[self.engines.index(engine)] += 1
         return await engine.generate(prompt_ids, sampling)
 
+    async def _score(self, token_ids: list[int], start: int, temperature: float) -> list[float]:
+        engine = await self._route(None)  # the live engine with the fewest requests in flight
+        self.routed[self.engines.index(engine)] += 1
+        return await engine.score(token_ids, start, temperature)
+
     async def _route(self, key: str | None) -> RolloutEngine:
         deadline = time.monotonic() + self.down_timeout_s
         while not (live := self.live()):

@@ -23,6 +23,10 @@ tower's features at the image tokens; decode steps read the KV cache only. On th
 a VLM: vLLM's vision path needs torchvision, built for CUDA only (on GPUs: CUDA torch + torchvision + vLLM; see
 ``molt_lightning.policies.vision``).
 
+Scoring (``score``, a teacher on this engine): one forward of the whole sequence between decode steps (under the
+same weights lock, so a mixture-of-experts policy's routing record is never mixed with it), exactly the trainer's
+teacher logprobs at any temperature (``Policy.outputs``, tests/test_scoring.py).
+
 The decode loop is written by hand because ``generate`` offers no point between steps to swap weights and tag
 versions; the model forward, KV cache and position handling are transformers'.
 """
@@ -135,6 +139,24 @@ class TorchEngine(RolloutEngine):
 
         return await asyncio.to_thread(read)
 
+    async def _score(self, token_ids: list[int], start: int, temperature: float) -> list[float]:
+        return await asyncio.to_thread(self._score_now, token_ids, start, temperature)
+
+    @torch.no_grad()
+    def _score_now(self, token_ids: list[int], start: int, temperature: float) -> list[float]:
+        """One forward of the whole sequence, off the loop, between decode steps (the weights lock) and never while
+        paused (a weight update in progress): the logprobs the trainer's teacher computes, without top-p. Text only
+        (a VLM's image tokens would need their pixels)."""
+        ids = torch.tensor([token_ids], device=self.device)  # (1, T)
+        while True:
+            self._unpaused.wait()
+            with self._weights:
+                if self._unpaused.is_set():
+                    logits = self.model(input_ids=ids).logits[0, start - 1:-1].float()  # (T - start, V)
+                    break
+        logp = torch.log_softmax(logits / temperature, dim=-1)  # (T - start, V)
+        return logp.gather(-1, ids[0, start:, None]).squeeze(-1).tolist()
+
     async def _schedule(self) -> None:
         while True:
             batch = [await self._pending.get()]
@@ -189,8 +211,9 @@ class TorchEngine(RolloutEngine):
                     cache, step_ids, step_pos, extra = None, ids, pos, vision
                 out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
                                  past_key_values=cache, use_cache=True, **extra)
+                # the forward ran the last S of ids' columns; under the lock: a score's forward would overwrite them
+                self.capture.step(B, step_ids.shape[1], ids.shape[1])
             seen, cache = version, out.past_key_values
-            self.capture.step(B, step_ids.shape[1], ids.shape[1])  # the forward ran the last S of ids' columns
             logits = out.logits[:, -1].float()  # (B, V)
             tok, lp = _sample(logits, temps, self.gen, gens, top_ps)  # (B,), (B,)
             toks, lps = tok.tolist(), lp.tolist()

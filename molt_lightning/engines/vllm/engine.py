@@ -208,6 +208,25 @@ class VLLMEngine(VLLMPhases):
             routing = await self._routing(request_id, len(prompt_ids) + len(ids) - 1)
         return Generation(ids, logprobs, versions, reason, routing)
 
+    async def _score(self, token_ids: list[int], start: int, temperature: float) -> list[float]:
+        """The prompt logprobs of one request (``phases``: temperature 1.0 only). A LoRA policy's engine scores with
+        the adapter new requests get, as ``_generate``. A scoring request reads no prefix cache (vLLM skips it for
+        prompt logprobs): the whole sequence is computed."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **self._score_params(temperature))
+        prompt = {"type": "token", "prompt_token_ids": token_ids}
+        final, served = None, self.adapters.acquire() if self.adapters is not None else None
+        try:
+            async for final in self.llm.generate(prompt, params, request_id=f"molt-score-{next(self._ids)}",
+                                                 lora_request=served.request if served else None):
+                pass
+        finally:
+            if served is not None:
+                await self.adapters.release(served)
+        return self._scores(final.prompt_logprobs, token_ids, start)
+
     async def _routing(self, request_id: str, n: int) -> torch.Tensor:
         """The request's first ``n`` positions' routing, (n, layers, k); requests finishing together share one call
         to the worker (one call per request made the tiny MoE's step several times slower)."""

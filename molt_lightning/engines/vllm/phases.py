@@ -17,6 +17,9 @@ The CPU platform's one addition is asked once at open (``_open_weights``: the wo
 on its CPU kernels, each staged bucket's kernels are packed ahead (``cpu.PackAhead``) and ``pause`` first waits for
 them; anywhere else the engine sends no such call.
 
+Scoring (``score``, a teacher on the engine): a request for the prompt's own logprobs and one token
+(``_score_params``, ``_scores``); vLLM ignores the temperature there, so only 1.0 is taken.
+
 Sampling, asked at open too (``_open_sampler``: the worker's ``molt_sampler``): the engine's seed (a pool's engines
 each have their own: ``RolloutEngine.seed_from``) and whether a request may carry a seed of its own. Where it may (GPU
 platforms), ``Sampling.seed`` goes with each request and a rerun samples the same tokens; on the CPU platform it may
@@ -97,6 +100,34 @@ class VLLMPhases(RolloutEngine):
                      "engines still differ, but a rerun does not repeat each token (TorchEngine does)", self.where,
                      self.seed)
         return sampling.seed if self.request_seeds else None
+
+    # ----- scoring: vLLM's prompt logprobs, read the same way in process and over HTTP -----
+    def _score_params(self, temperature: float) -> dict:
+        """The sampling parameters of a scoring request: the prompt's own logprobs (``prompt_logprobs=0``: each
+        position's actual token, no top-k), one greedy token that nobody reads. vLLM computes prompt logprobs from
+        the raw logits (its model runner: "prompt tokens skip sampling processors"), so the request's temperature is
+        not applied to them: scored with ``temperature=0.7`` they equal the temperature-1 logprobs
+        (tests/test_scoring.py). Rescaling would need every token's logprob at every position (``prompt_logprobs=-1``:
+        refused above ``max_logprobs``, 20 by default, and a Python object per vocabulary entry and position), so any
+        temperature but 1 is refused with the fix."""
+        if temperature != 1.0:
+            raise ValueError(f"the engine {self.where} (vLLM) scores at temperature 1.0 only: vLLM's prompt logprobs "
+                             f"ignore the temperature, so {temperature} would silently score at 1.0. Serve the teacher "
+                             "with TorchEngine, or train at temperature 1.0")
+        return {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "detokenize": False}
+
+    def _scores(self, rows: list | None, token_ids: list[int], start: int) -> list[float]:
+        """The logprobs of ``token_ids[start:]`` from vLLM's ``prompt_logprobs`` (one entry per prompt position, None
+        at 0; in process a dict token id -> ``Logprob``, over HTTP its JSON: string keys, dicts)."""
+        if rows is None or len(rows) != len(token_ids):
+            raise RuntimeError(f"the engine {self.where} returned prompt logprobs for "
+                               f"{'no' if rows is None else len(rows)} of the {len(token_ids)} positions scored")
+        out = []
+        for i in range(start, len(token_ids)):
+            row, t = rows[i], token_ids[i]
+            entry = row[t] if t in row else row[str(t)]
+            out.append(float(entry.logprob if hasattr(entry, "logprob") else entry["logprob"]))
+        return out
 
     async def stage(self, bucket: Mapping[str, torch.Tensor]) -> None:
         if self.ahead is not None:

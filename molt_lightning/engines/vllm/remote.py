@@ -185,6 +185,16 @@ class RemoteVLLMEngine(VLLMPhases):
                                "start it with `molt serve` (processed logprobs, weight versions set)")
         return Generation(ids, logprobs, versions, out["finish_reason"])
 
+    async def _score(self, token_ids: list[int], start: int, temperature: float) -> list[float]:
+        """The prompt logprobs of one request on the generate route (``phases``: temperature 1.0 only); the
+        response's ``prompt_logprobs`` is vLLM's list, one ``{token id: {"logprob": ...}}`` per position."""
+        params = self._score_params(temperature)
+        await self.wait_healthy()
+        body = {"request_id": f"molt-score-{next(self._ids)}", "token_ids": token_ids, "stream": False,
+                "sampling_params": params}
+        out = await self._post("/inference/v1/generate", json=body, mark_down=True)
+        return self._scores(out.get("prompt_logprobs"), token_ids, start)
+
     # ----- the transport of the weight phases (``phases``), and the channels -----
     async def _open(self, timeout: float | None = None) -> None:
         if self.channel in ("shm", "http"):  # the loads the worker extension makes (nccl: vLLM's own routes)
