@@ -8,15 +8,15 @@ The loop, step by step (``training_step`` reads like this):
    ``trainer.plan`` gives each rank its rows (whole groups), cut into mini-batches (one optimizer step each) and
    micro-batches (a token budget each);
 2. the constants of the update, in a no-grad pass when some are needed: PPO's old logprobs (a batch used for more
-   than one optimizer step), the frozen reference's logprobs (KL), the value head's predictions (critic);
+   than one optimizer step), the frozen reference's and teacher's logprobs (KL, distillation: a teacher on an engine
+   scored the batch on the rollout side), the value head's predictions (critic);
 3. shape the rewards, estimate advantages over the whole batch (``Batch.outcomes``: rewards, lengths, groups);
 4. ``updates_per_batch`` epochs over the mini-batches: per micro-batch the logprobs of the sampled tokens at the
    sampling temperature (chunked, ``trainer.policy.Policy``), the correction for the engine-trainer gap, the loss (every
    piece a pure function from ``algorithms``) normalized by mini-batch-wide counts, and a backward; then one
    optimizer step per mini-batch;
 5. the policy version (rollout batches trained, i.e. weight pushes; not optimizer steps) goes up by one and the
-   ``WeightSync`` callback pushes the new weights, tagged with it, through the weight flow
-   (``trainer.weights.WeightFlow``).
+   ``WeightSync`` callback pushes the new weights, tagged with it, through the weight flow (``trainer.weights``).
 
 The module connects the two flows: the rollout side (``source``: data from the engine to the trainer) and the weight
 flow (``weights``: weights from the trainer to the engine). Everything else is a callback. Deliberately not here: a
@@ -39,6 +39,7 @@ from .algorithms import (AdvantageInputs, Algorithm, LossInputs, build, masked_m
                          on_last_turn)
 from .algorithms.objective import Norm
 from .config import Batching, MoE, Optim, Rollout, record
+from .engines.auxiliary import Auxiliary
 from .engines.base import RolloutEngine
 from .engines.torch_engine import TorchEngine
 from .policies import lora as lora_
@@ -69,7 +70,7 @@ class AsyncRLModule(L.LightningModule):
         moe: MoE = MoE(),
         dtype: str = "float32",
         torch_threads: int | None = None,
-        teacher: str | None = None,
+        teacher: str | Auxiliary | None = None,
         verify_weights: bool = True,
     ):
         """
@@ -84,26 +85,25 @@ class AsyncRLModule(L.LightningModule):
             lora: train a LoRA adapter (peft) instead of every weight; only the adapter syncs (``policies.lora``).
             dtype: the trainer's parameter dtype; ``bfloat16`` works on the CPU but runs slower there.
             torch_threads: intra-op threads for the trainer (``torch.set_num_threads``); None leaves torch's default.
-            teacher: on-policy distillation's frozen teacher (like ``policy``; the same tokenizer),
+            teacher: on-policy distillation's frozen teacher (like ``policy``; the same tokenizer), in the trainer,
+                or an ``engines.Auxiliary`` serving it (its logprobs come with the batch: ``rollout.teacher``);
                 ``algo.distill_coef``.
             verify_weights: check after every sync that the engine serves what was sent (fingerprints: engines.md).
         """
         super().__init__()
-        self.save_hyperparameters(ignore=["engine", "agent", "tasks"])
+        self.teacher_engine = teacher if isinstance(teacher, Auxiliary) else None
+        self.save_hyperparameters(ignore=["engine", "agent", "tasks"] + ["teacher"] * bool(self.teacher_engine))
         self.rollout, self.optim, self.batching, self.moe, self.lora = (
             record(cls, value) for cls, value in [(Rollout, rollout), (Optim, optim), (Batching, batching), (MoE, moe),
                                                    (lora_.LoraSpec, lora)])
         self.batching.check()
-        self.automatic_optimization = False
-        self.algo = algo
+        self.automatic_optimization, self.algo = False, algo
         self.fns = build(algo, teacher)  # the recipe's estimator, loss, shaping, group filter, resolved once
-        engine = engine or TorchEngine()
+        self.engine = engine = engine or TorchEngine()
         self.moe.check(engine)
-        self.engine = engine
-        self.source = RolloutSource(agent, tasks, self.rollout, group_filter=self.fns.group_filter)
+        self.source = RolloutSource(agent, tasks, self.rollout, self.fns.group_filter, self.teacher_engine)
         self.weights = WeightFlow(engine, verify_weights)
-        self.sessions: AgentSessions | None = None
-        self.policy_path: str | None = None
+        self.sessions, self.policy_path = None, None  # the agents' ``AgentSessions`` (rank 0); the policy's folder
         self.policy: Policy | None = None  # the LM (``policy.lm``) and a value head for critic estimators
         self.reference = self.teacher = None  # frozen Policies: the KL reference (kl_coef > 0), a distillation teacher
         self.policy_version = 0  # rollout batches trained = weight pushes; what the engine and max_lag count
@@ -126,11 +126,11 @@ class AsyncRLModule(L.LightningModule):
                              top_p=self.rollout.top_p)  # the nucleus the engines sample from
         parallel.shard(self.policy, self.trainer.strategy)
         if self.fns.needs_reference:
-            self.reference = frozen_policy(self.policy_path, dtype, b)
-            parallel.shard(self.reference, self.trainer.strategy)
-        if self.hparams.teacher is not None:
-            self.teacher = frozen_policy(teacher_folder(self.hparams.teacher, self.tokenizer), dtype, b)
-            parallel.shard(self.teacher, self.trainer.strategy)
+            self.reference = parallel.shard(frozen_policy(self.policy_path, dtype, b), self.trainer.strategy)
+        teacher = self.teacher_engine.model if self.teacher_engine else self.hparams.get("teacher")
+        folder = teacher and teacher_folder(teacher, self.tokenizer)  # a teacher engine starts with the source
+        if self.hparams.get("teacher") is not None:
+            self.teacher = parallel.shard(frozen_policy(folder, dtype, b), self.trainer.strategy)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]  # the policy and a value head, not reference/teacher
@@ -181,6 +181,7 @@ class AsyncRLModule(L.LightningModule):
             self.sessions.stop()
         finally:
             self.engine.release()
+            Auxiliary.stop_all()  # the teacher and judges beside the policy stop with the run
 
     def next_batch(self) -> Batch:
         """The batch the next step trains on, built when the step asks for it (never ahead). Rank 0 takes it from the
@@ -219,7 +220,7 @@ class AsyncRLModule(L.LightningModule):
             adv = self.fns.advantage(AdvantageInputs(
                 shaped, outcomes.groups, batch.traj_ids, mask, consts.values, turns=batch.turns[:, 1:],
                 turn_rewards=turn_rewards, turn_keys=outcomes.turn_keys), algo)
-            if self.teacher is not None:  # on-policy distillation: the teacher's term on every sampled token
+            if consts.teacher is not None:  # on-policy distillation: the teacher's term on every sampled token
                 adv.advantages += self.fns.distill(batch.engine_logprobs[:, 1:], consts.teacher, mask, algo)
 
         opt, stats = self.optimizers(), StepMetrics()

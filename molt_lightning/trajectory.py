@@ -11,6 +11,10 @@ to by the engine (``Span.routing``, (n, layers, k) int16, ``moe.NO_RECORD`` rows
 the position). ``place_routing`` puts an engine call's rows onto its segment's spans, keeping every position's first
 record; ``collate`` stacks them into ``Batch.routing`` (one function, ``_routing``), which routing replay consumes.
 
+On-policy distillation with the teacher on an engine adds one more per-token fact: the teacher's logprob of each
+sampled token (``Span.teacher``, set on the rollout side by ``rollout.source.score_with``), stacked by ``collate``
+into ``Batch.teacher_logprobs``; a batch has it on every policy token or on none.
+
 Vision-language policies add per-trajectory inputs: the pixel values of the images whose placeholder tokens a
 context span holds (``Span.images``, a ``vision.ImageInputs``, set by the client from the processor's output);
 ``collate`` checks each span holds exactly its images' tokens and gathers every row's images, in order, into
@@ -59,6 +63,7 @@ class Span:
     routing: torch.Tensor | None = None  # MoE policies, any kind: (n, layers, k) int16 experts, NO_RECORD rows
     images: ImageInputs | None = None  # VLM context spans: the images whose expanded image tokens this span holds
     turn: int = -1  # policy spans: the engine call (0, 1, ...) of the trajectory that made it; -1: its order
+    teacher: list[float] | None = None  # policy spans, a teacher on an engine: its logprob of each token (``score``)
 
     @classmethod
     def policy(cls, token_ids: list[int], logprobs: list[float], versions: list[int], turn: int = -1) -> Span:
@@ -208,6 +213,7 @@ class Batch:
     outcomes: Outcomes
     routing: torch.Tensor | None = None  # (N, T, layers, k) int16 engine experts, NO_RECORD off record; None: dense
     images: BatchImages | None = None  # VLM: pixel values (I, 3, H, W) and each image's row (I,); None: text only
+    teacher_logprobs: torch.Tensor | None = None  # (N, T) float32 a teacher engine's, 0 off the loss mask; or None
 
     def to(self, device) -> Batch:
         moved = {k: v.to(device) for k, v in vars(self).items()
@@ -226,7 +232,7 @@ def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None
             raise ConsistencyError(f"sample {traj.sample_id} has a non-finite reward {traj.reward}")
         order = 0  # policy spans so far: the turn of a span made without one
         for seg in traj.segments:
-            ids, mask, lps, vers, turns = [], [], [], [], []
+            ids, mask, lps, vers, turns, teacher = [], [], [], [], [], []
             for span in seg:
                 n, policy = len(span.token_ids), span.kind == Kind.POLICY
                 if policy:
@@ -236,6 +242,7 @@ def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None
                 lps += span.logprobs if policy else [0.0] * n
                 vers += span.versions if policy else [-1] * n
                 turns += [(span.turn if span.turn >= 0 else order) if policy else -1] * n
+                teacher += (span.teacher or [None] * n) if policy else [0.0] * n
                 order += policy
                 if span.routing is not None and span.routing.shape[0] != n:
                     raise ConsistencyError(f"sample {traj.sample_id}: {n} tokens but {span.routing.shape[0]} "
@@ -247,7 +254,7 @@ def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None
             if mask[0]:
                 raise ConsistencyError(f"sample {traj.sample_id}: a segment starts with a policy token (no prompt)")
             _check_row_images(ids, segment_images(seg), traj.sample_id)
-            rows.append((ids, mask, lps, vers, traj.group_id, t_idx, seg, turns))
+            rows.append((ids, mask, lps, vers, traj.group_id, t_idx, seg, turns, teacher))
     if not rows:
         raise ConsistencyError("no trainable tokens in this batch")
     width = max(len(r[0]) for r in rows)
@@ -268,7 +275,19 @@ def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None
         outcomes=Outcomes.of(trajectories),
         routing=_routing([r[6] for r in rows], width),
         images=collate_images([segment_images(r[6]) for r in rows]),
+        teacher_logprobs=_teacher(rows, width),
     )
+
+
+def _teacher(rows: list[tuple], width: int) -> torch.Tensor | None:
+    """``Batch.teacher_logprobs`` (N, width) from the rows' policy tokens, or None when none has a teacher's logprob;
+    some but not all is a bug (the rollout side scores every usable trajectory of a run, or none)."""
+    given = [x is not None for r in rows for x, policy in zip(r[8], r[1]) if policy]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ConsistencyError("some policy tokens of the batch have a teacher's logprob and others none")
+    return torch.tensor([r[8] + [0.0] * (width - len(r[8])) for r in rows], dtype=torch.float32)
 
 
 def _routing(segments: list[list[Span]], width: int) -> torch.Tensor | None:
@@ -305,7 +324,8 @@ def _check_row_images(ids: list[int], images: ImageInputs | None, sample_id: int
 
 def _check_policy_span(span: Span, sample_id: int, max_version: int | None, max_lag: int | None) -> None:
     n = len(span.token_ids)
-    if span.logprobs is None or span.versions is None or len(span.logprobs) != n or len(span.versions) != n:
+    if span.logprobs is None or span.versions is None or len(span.logprobs) != n or len(span.versions) != n or \
+            (span.teacher is not None and len(span.teacher) != n):
         raise ConsistencyError(f"sample {sample_id}: policy tokens without a full engine record (logprob, version)")
     if not all(math.isfinite(x) and x <= 1e-4 for x in span.logprobs):
         raise ConsistencyError(f"sample {sample_id}: engine logprobs must be finite and <= 0, got {span.logprobs}")

@@ -7,7 +7,9 @@ total (``samples/<name>``, ``samples/<name>_total``); the share of the batch's c
 group token for token (``samples/duplicates``, ``trajectory.repeats``); the reward over all usable samples
 (``reward/all_samples``: with a group filter, ``reward`` covers only the groups kept); the events agents counted
 (``client.count``: ``agent/tool_error/timeout``, ``agent/endpoint_error/model_not_found``, ...). From the engine
-(its own ``take_stats``): generated tokens per second and the share of wall time it had no request in flight. The
+(its own ``take_stats``): generated tokens per second and the share of wall time it had no request in flight. From
+each model beside the policy (``engines.Auxiliary``: a teacher, a judge): its requests, tokens, mean latency,
+failures and timeouts this step (``<name>/requests``, ...). The
 step's wall time split on the trainer's side (``perf/trainer_idle_s`` waiting for rollouts, ``perf/train_compute_s``
 the gradient step, ``perf/weight_sync_s``, and ``perf/overhead_s`` / ``perf/overhead_frac``: everything else, i.e.
 collation, Lightning's loop, logging and callbacks, checkpoints).
@@ -20,6 +22,7 @@ from dataclasses import fields
 
 import lightning as L
 
+from ..engines.auxiliary import Auxiliary
 from ..rollout.source import RolloutCounts
 from ..trajectory import repeats
 
@@ -47,6 +50,8 @@ class RolloutMonitor(L.Callback):
             engine = pl_module.engine.take_stats()
             metrics["perf/engine_idle_frac"] = min(1.0, engine["engine_idle_s"] / wall)
             metrics["perf/gen_tokens_per_s"] = engine["generated_tokens"] / wall
+            for aux in Auxiliary.started:  # models beside the policy: a teacher, judges
+                metrics.update(aux.take_metrics())
         pl_module.log_dict(metrics, on_step=True, batch_size=1)
 
     def _rollout(self, now: RolloutCounts, batch, wall: float) -> dict[str, float]:

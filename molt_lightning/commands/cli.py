@@ -153,7 +153,9 @@ def check_recipe(model) -> None:
 
         from ..trainer.policy import teacher_folder
 
-        teacher_folder(model.teacher, AutoTokenizer.from_pretrained(folder))
+        teacher = model.teacher  # a folder, or an engines.Auxiliary's settings: its model
+        teacher_folder(teacher.init_args.model if getattr(teacher, "class_path", None) else teacher,
+                       AutoTokenizer.from_pretrained(folder))
 
 
 def _check_call(fn, key: str, params: str, *args) -> None:

@@ -17,7 +17,9 @@ within a second, raising ``RolloutStopped``.
 Dynamic sampling (DAPO): an optional ``group_filter(rewards) -> keep?`` sees every completed group's usable rewards;
 a rejected group is dropped and counted, its prompt is done, and its admission slot opens for a new prompt, so
 batches are refilled with groups that pass. After ``FILTER_PATIENCE`` batches' worth of rejected groups in a row the
-source fails loudly (the task is solved or unsolvable for the policy).
+source fails loudly (the task is solved or unsolvable for the policy). A teacher on an engine (``teacher``,
+distillation) scores each group's usable trajectories as it completes (``rollout.teacher``); a trajectory it cannot
+score is a failed sample.
 
 What happened is counted in one record, ``RolloutCounts``, written here under the lock and read by the callbacks as a
 copy (``counts_now``).
@@ -51,6 +53,8 @@ from .admission import Admission
 from ..agents.client import AgentResult
 from ..agents.sessions import AgentSessions
 from ..config import Rollout
+from .teacher import score_with
+from ..engines.auxiliary import Auxiliary, AuxiliaryFailed
 from ..engines.base import derive_seed
 from ..trajectory import Status, Trajectory
 
@@ -89,9 +93,10 @@ class RolloutCounts:
 
 class RolloutSource:
     def __init__(self, agent: Callable[..., Any], tasks: Callable[..., Iterator[dict]], rollout: Rollout,
-                 group_filter: Callable[[list[float]], bool] | None = None):
+                 group_filter: Callable[[list[float]], bool] | None = None, teacher: Auxiliary | None = None):
         rollout.check()
         self.agent, self.tasks, self.rollout, self.group_filter = agent, tasks, rollout, group_filter
+        self.teacher = teacher  # scores every usable trajectory's policy tokens (distillation); started with the source
         self.admission = Admission(rollout.prompts_per_step, rollout.max_lag, rollout.admit_ahead)
         self.counts = RolloutCounts()
         self.failure_window = max(64, 2 * rollout.group_size * rollout.prompts_per_step)  # the breaker's agent runs
@@ -100,19 +105,18 @@ class RolloutSource:
         self._wake = asyncio.Event()  # set from any thread through the loop; bound to the loop at its first wait
         self._cond = threading.Condition()  # guards everything below, the admission and the counts
         self._ready: list[tuple[int, Group]] = []  # complete groups, keyed by the order they started
-        self._running = 0  # groups started, not complete
-        self._trainer_waits = False
-        self._error: BaseException | None = None
-        self._rejected_in_a_row = 0
+        self._running, self._trainer_waits = 0, False  # groups started, not complete; the trainer waits for a batch
+        self._error, self._rejected_in_a_row = None, 0  # _error: what stopped the producer
         self._recent: deque[str | None] = deque(maxlen=self.failure_window)  # None: ok, else the failure kind
-        self._failure_kinds: Counter = Counter()
-        self._tasks: set[asyncio.Task] = set()
+        self._failure_kinds, self._tasks = Counter(), set()  # failures per kind; the running groups' tasks
         self._stopping, self._switch_s = False, None
 
     # ----- lifecycle (trainer thread) -----
     def start(self, sessions: AgentSessions) -> None:
         """Start producing on the engine's loop (the engine holds the trainer's weights by now)."""
         self.engine, self.sessions, self._loop = sessions.engine, sessions, sessions.engine.loop
+        if self.teacher is not None:
+            self.teacher.start()
         if self.rollout.switch_interval_ms is not None:
             self._switch_s = sys.getswitchinterval()
             sys.setswitchinterval(self.rollout.switch_interval_ms / 1000)
@@ -265,6 +269,8 @@ class RolloutSource:
     async def _run_group(self, order: int, prompt: int, sample: dict) -> None:
         group = await asyncio.gather(*[self._run_agent(prompt, order, i, sample)
                                        for i in range(self.rollout.group_size)])
+        if self.teacher is not None:
+            group = await asyncio.gather(*[self._scored(t) for t in group])
         usable = [t for t in group if t.status != Status.FAILED and t.num_policy_tokens > 0]
         with self._cond:
             self._running -= 1
@@ -321,6 +327,14 @@ class RolloutSource:
         why = await run_agent(self.agent, self.sessions, traj, request_seed(self.rollout.task_seed, prompt, index),
                               self.rollout.agent_timeout_s, self._count_agent_event)
         return traj if why is None else self._failed(traj, why)
+
+    async def _scored(self, traj: Trajectory) -> Trajectory:
+        try:
+            if traj.status != Status.FAILED:
+                await score_with(self.teacher, traj, self.rollout.temperature)
+        except AuxiliaryFailed as e:
+            return self._failed(traj, f"the teacher could not score it: {e}")
+        return traj
 
     def _failed(self, traj: Trajectory, reason: str) -> Trajectory:
         kind = _kind(reason)

@@ -97,10 +97,11 @@ def is_sharded(strategy) -> bool:
     return isinstance(strategy, ModelParallelStrategy)
 
 
-def shard(policy: torch.nn.Module, strategy) -> None:
-    """FSDP2: ``fully_shard`` each decoder layer, then the ``Policy`` root (embeddings, head, norm, value head)."""
+def shard(policy: torch.nn.Module, strategy) -> torch.nn.Module:
+    """FSDP2: ``fully_shard`` each decoder layer, then the ``Policy`` root (embeddings, head, norm, value head).
+    Returns ``policy``."""
     if not is_sharded(strategy):
-        return
+        return policy
     from torch.distributed.fsdp import fully_shard
 
     from ..policies.lora import is_lora
@@ -120,6 +121,7 @@ def shard(policy: torch.nn.Module, strategy) -> None:
     for layer in layers:
         fully_shard(layer, mesh=mesh, ignored_params=experts)
     fully_shard(policy, mesh=mesh, ignored_params=experts)
+    return policy
 
 
 @contextmanager

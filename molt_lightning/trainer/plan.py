@@ -140,17 +140,20 @@ class Constants:
 def constants(policy, reference, batch: Batch, minis: list[MiniBatch], temperature: float, optimizer_steps: int,
               trainer, teacher=None) -> Constants:
     """PPO's old logprobs (when the batch makes more than one optimizer step), the reference's logprobs (KL), the
-    teacher's (distillation), the value head's predictions (critic; gathered from every rank, since advantages see
-    the whole batch), each (N, T-1), filled on this rank's rows; nothing when none is needed."""
+    teacher's (distillation; a teacher engine's come with the batch), the value head's predictions (critic; gathered
+    from every rank, since advantages see the whole batch), each (N, T-1), filled on this rank's rows; nothing when
+    none is needed."""
+    scored = None if batch.teacher_logprobs is None else batch.teacher_logprobs[:, 1:]  # by a teacher on an engine
     if optimizer_steps == 1 and reference is None and policy.value_head is None and teacher is None:
-        return Constants()
+        return Constants(teacher=scored)
     shape, device = batch.loss_mask[:, 1:].shape, batch.input_ids.device  # (N, T-1)
 
     def zeros(needed: bool):
         return torch.zeros(shape, device=device) if needed else None
 
     consts = Constants(old=zeros(optimizer_steps > 1), ref=zeros(reference is not None),
-                       values=zeros(policy.value_head is not None), teacher=zeros(teacher is not None))
+                       values=zeros(policy.value_head is not None),
+                       teacher=zeros(teacher is not None) if scored is None else scored)
     frozen = [(consts.ref, reference), (consts.teacher, teacher)]
     mine = []
     for mb in minis:
