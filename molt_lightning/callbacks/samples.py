@@ -1,7 +1,9 @@
 """``RolloutSamples``: every ``every_n_steps`` steps, append a few trained trajectories, decoded, to a JSONL file.
 
-Each line: step, sample id, reward, status, and the spans in order with their kind (prompt / policy / env), text and,
-for policy spans, the versions that sampled them: what the policy saw and did, as it was trained on.
+Each line: step, sample id, reward, status, the trajectory's ``info`` (what the agent reported: the answer read, a
+judge's prompt, raw verdicts and score, the rule verifier's score; values JSON cannot hold are written as text), and
+the spans in order with their kind (prompt / policy / env), text and, for policy spans, the versions that sampled
+them: what the policy saw and did, as it was trained on.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class RolloutSamples(L.Callback):
                       **({"versions": sorted(set(s.versions))} if s.versions else {})}
                      for seg in traj.segments for s in seg]
             lines.append({"step": step, "sample_id": traj.sample_id, "reward": traj.reward,
-                          "status": traj.status.value, "segments": len(traj.segments), "spans": spans})
+                          "status": traj.status.value, "info": traj.info, "segments": len(traj.segments),
+                          "spans": spans})
         os.makedirs(trainer.logger.log_dir, exist_ok=True)
         with open(os.path.join(trainer.logger.log_dir, self.filename), "a") as f:
-            f.writelines(json.dumps(line) + "\n" for line in lines)
+            f.writelines(json.dumps(line, default=str) + "\n" for line in lines)

@@ -2,9 +2,10 @@
 ``molt_lightning.agents.Answer``."""
 
 from .graders import Verdict, VerifierFailed, verify
+from .judge import Judge, JudgeFailed, JudgeVerdict
 from .sources import Source, Tasks
 
-__all__ = ["Source", "Tasks", "Verdict", "VerifierFailed", "verify"]
+__all__ = ["Judge", "JudgeFailed", "JudgeVerdict", "Source", "Tasks", "Verdict", "VerifierFailed", "verify"]
 
 
 def __getattr__(name: str):
