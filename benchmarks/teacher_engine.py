@@ -6,7 +6,7 @@ teacher in the trainer (``model.teacher: <folder>``) and once on a torch engine 
 the trainer process's peak RSS; then molt-bench's verdict on the held-out means (``compare-published``).
 
 ``--part memory`` (the memory): ``recipes/smollm2_chain_sum.yaml`` with SmolLM2-135M as its own teacher
-(``distill_coef`` 0.1 beside GRPO) for a few steps, the teacher in the trainer vs on a ``molt serve`` server
+(``distill_coef`` 0.1 beside GRPO; at temperature 1.0, where a vLLM engine can score) for a few steps, the teacher in the trainer vs on a ``molt serve`` server
 (``RemoteVLLMEngine``, another process): the trainer process's peak RSS (``wait4``'s ``ru_maxrss``: the process
 itself, not its children; vLLM's CPU engine of the policy runs inside it either way) and s/step.
 
@@ -50,9 +50,10 @@ def run(name: str, args: list[str]) -> dict:
     last = evals[-1] if evals else None
     return {"run": name, "s/step": m["perf/step_time_s"].dropna().iloc[1:].median(),
             "peak RSS GiB": usage.ru_maxrss / 2**20,
-            "held-out avg@4": next(iter(last["metrics"].values()))["avg@4"] if last else None,
+            "held-out avg@4": next(iter(last["metrics"].values())).get("avg@4") if last else None,
             "at version": last["version"] if last else None,
-            "reverse KL (last 5 steps)": m["distill/reverse_kl"].dropna().iloc[-5:].mean(),
+            "reverse KL (last 5 steps)": m["distill/reverse_kl"].dropna().iloc[-5:].mean()
+            if "distill/reverse_kl" in m else None,
             "teacher requests": m["teacher/requests"].sum() if "teacher/requests" in m else 0,
             "teacher failures": m["teacher/failures"].sum() if "teacher/failures" in m else 0}
 
@@ -79,8 +80,16 @@ def main() -> None:
                 rows.append({"teacher": where, "seed": seed, **run(f"distill-{where}-{seed}", common + extra)})
                 print(rows[-1], flush=True)
     else:
-        common = ["--config", "recipes/smollm2_chain_sum.yaml", "--model.algo.distill_coef", "0.1",
-                  "--trainer.max_steps", str(a.steps or 6), "--model.rollout.prompts_per_step", "2"]
+        import yaml
+
+        recipe = yaml.safe_load((ROOT / "recipes" / "smollm2_chain_sum.yaml").read_text())
+        for callback in recipe["trainer"]["callbacks"]:  # its held-out rounds cut to 8 prompts x 1 run
+            if callback["class_path"].endswith("Evaluate"):
+                callback["init_args"].update(max_prompts=8, k=1)
+        (ROOT / "runs" / "teacher_engine_memory.yaml").write_text(yaml.safe_dump(recipe))
+        common = ["--config", "runs/teacher_engine_memory.yaml", "--model.algo.distill_coef", "0.1",
+                  "--trainer.max_steps", str(a.steps or 6), "--model.rollout.prompts_per_step", "2",
+                  "--model.rollout.temperature", "1.0"]  # a vLLM engine scores at 1.0 only
         for where, extra in [("none", ["--model.algo.distill_coef", "0"]),
                              ("trainer", ["--model.teacher", "molt_lightning.models.smollm2.smollm2_policy"]),
                              ("engine", SMOLLM2_TEACHER)]:

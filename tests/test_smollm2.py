@@ -44,11 +44,13 @@ def test_smollm2_trains_on_policy_with_exact_sync(tmp_path):
     assert all(torch.equal(served[k], after[k].detach()) for k in after)
 
 
-def test_the_chain_sum_recipe_runs_two_steps_with_its_held_out_evaluation(tmp_path):
+@pytest.mark.parametrize("name", ["smollm2_chain_sum", "smollm2_chain_sum_judge"])
+def test_the_chain_sum_recipe_runs_two_steps_with_its_held_out_evaluation(tmp_path, name):
     """``recipes/smollm2_chain_sum.yaml`` as it ships (vLLM, reasoning-gym data, the last-number verifier, Evaluate)
     for 2 steps of 2 x 2 runs, its held-out set cut to 4 prompts x 2 runs: both rounds are logged, the run folder is
     complete and every weight sync verified. In float32 where the CPU has no native bf16 (the recipe's bf16-mixed is
-    emulated there: ``trainer.parallel.native_bf16``)."""
+    emulated there: ``trainer.parallel.native_bf16``). Its judge variant (the reward from SmolLM2 as a judge on a
+    torch engine of its own): the judge's requests are logged and the sample log keeps its prompts and verdicts."""
     import json
     import os
     import subprocess
@@ -62,7 +64,7 @@ def test_the_chain_sum_recipe_runs_two_steps_with_its_held_out_evaluation(tmp_pa
     pytest.importorskip("vllm")
     pytest.importorskip("reasoning_gym")
     root = Path(__file__).resolve().parents[1]
-    recipe = yaml.safe_load((root / "recipes" / "smollm2_chain_sum.yaml").read_text())
+    recipe = yaml.safe_load((root / "recipes" / f"{name}.yaml").read_text())
     recipe["trainer"].update(max_steps=2, enable_progress_bar=False)
     if not native_bf16():  # emulated bf16: a step of 4 samples took 74-105 s instead of ~8 (the run warns so)
         recipe["trainer"]["precision"] = "32-true"
@@ -78,7 +80,7 @@ def test_the_chain_sum_recipe_runs_two_steps_with_its_held_out_evaluation(tmp_pa
     done = subprocess.run(molt, cwd=root, env={**os.environ, "HF_HUB_OFFLINE": "1", "MOLT_QUIET": "0"},
                           capture_output=True, text=True, timeout=800)
     assert done.returncode == 0, done.stderr[-4000:]
-    [run] = list((tmp_path / "smollm2_chain_sum").iterdir())
+    [run] = list((tmp_path / name).iterdir())
     rounds = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rounds] == [0, 2]
     assert all(r["metrics"]["chain_sum"]["prompts"] == 4 for r in rounds)
@@ -86,3 +88,8 @@ def test_the_chain_sum_recipe_runs_two_steps_with_its_held_out_evaluation(tmp_pa
     assert df.dropna(subset=["reward"])["step"].nunique() == 2 and (tmp_path / "ckpt" / "last.ckpt").exists()
     # every sync (in 64 MB buckets, packed ahead in vLLM's worker) served exactly what was sent, read back
     assert len(df["sync/verified"].dropna()) >= 2 and (df["sync/verified"].dropna() == 1).all()
+    if name.endswith("judge"):  # every trained sample was judged (or failed, counted); the log keeps what it said
+        assert df["judge/requests"].sum() >= 1 and "samples/failed_total" in df
+        lines = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
+        assert lines and all("Reference answer:" in x["info"]["judge"]["prompt"] and x["info"]["judge"]["raw"]
+                             for x in lines)

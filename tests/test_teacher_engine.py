@@ -135,3 +135,32 @@ def test_an_auxiliary_refuses_bad_limits_and_names_a_model_that_is_no_folder():
     aux = Auxiliary("molt_lightning.no.such.builder", TorchEngine())
     with pytest.raises(ValueError, match="does not import"):
         aux.start()
+
+
+@pytest.mark.slow
+def test_the_distillation_recipe_runs_two_steps_with_its_teacher_on_an_engine(tmp_path):
+    """``recipes/distill.yaml`` + ``recipes/distill_teacher_engine.yaml`` through ``molt fit``: the teacher's metrics
+    are logged, none of its requests failed, and the distillation term is there."""
+    from test_cli import fit_recipe
+
+    _, _, config, df = fit_recipe("distill", tmp_path, "--config", "recipes/distill_teacher_engine.yaml")
+    assert "molt_lightning.engines.Auxiliary" in config
+    assert df["teacher/requests"].sum() >= 2 * 8 and df["teacher/failures"].sum() == 0
+    assert df["teacher/timeouts"].sum() == 0 and df["distill/reverse_kl"].notna().sum() == 2
+
+
+def test_a_teacher_engine_that_cannot_score_at_the_rollout_temperature_is_refused_before_the_run():
+    """vLLM's prompt logprobs ignore the temperature: a vLLM teacher at 0.7 is refused when the module is made (not
+    after a window of failed samples), naming the fix; an engine that cannot score at all is named too."""
+    from molt_lightning.engines import EnginePool, RemoteVLLMEngine, RolloutEngine
+
+    for engine in (RemoteVLLMEngine(url="http://127.0.0.1:9"), EnginePool(urls=["http://127.0.0.1:9"])):
+        with pytest.raises(ValueError, match="scores at temperature 1.0 only.*Serve the teacher with TorchEngine"):
+            make(Algorithm(advantage="none", distill_coef=1.0), teacher=Auxiliary("x", engine), temperature=0.7)
+        make(Algorithm(advantage="none", distill_coef=1.0), teacher=Auxiliary("x", engine), temperature=1.0)
+
+    class Unscoring(TorchEngine):
+        _score = RolloutEngine._score
+
+    with pytest.raises(NotImplementedError, match="Unscoring cannot score tokens"):
+        make(Algorithm(advantage="none", distill_coef=1.0), teacher=Auxiliary("x", Unscoring()))

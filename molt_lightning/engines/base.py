@@ -288,9 +288,15 @@ class RolloutEngine(ABC):
         with self._busy():
             return await self._score(list(token_ids), start, temperature)
 
+    def check_score(self, temperature: float) -> None:
+        """Raise, naming the fix, if this engine cannot ``score`` at ``temperature`` (asked before a run starts)."""
+        if type(self)._score is RolloutEngine._score:
+            raise NotImplementedError(f"{type(self).__name__} cannot score tokens (a teacher's logprobs): use "
+                                      "TorchEngine, VLLMEngine, RemoteVLLMEngine or EnginePool")
+
     async def _score(self, token_ids: list[int], start: int, temperature: float) -> list[float]:
-        raise NotImplementedError(f"{type(self).__name__} cannot score tokens (a teacher's logprobs): use TorchEngine, "
-                                  "VLLMEngine, RemoteVLLMEngine or EnginePool")
+        self.check_score(temperature)
+        raise NotImplementedError
 
     def take_stats(self) -> dict[str, float]:
         """Idle seconds (no request in flight) and generated tokens since the previous call."""

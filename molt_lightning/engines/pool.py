@@ -130,6 +130,10 @@ class EnginePool(RolloutEngine):
         self.routed[self.engines.index(engine)] += 1
         return await engine.generate(prompt_ids, sampling)
 
+    def check_score(self, temperature: float) -> None:
+        for engine in self.engines:
+            engine.check_score(temperature)
+
     async def _score(self, token_ids: list[int], start: int, temperature: float) -> list[float]:
         engine = await self._route(None)  # the live engine with the fewest requests in flight
         self.routed[self.engines.index(engine)] += 1

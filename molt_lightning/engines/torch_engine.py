@@ -23,9 +23,9 @@ tower's features at the image tokens; decode steps read the KV cache only. On th
 a VLM: vLLM's vision path needs torchvision, built for CUDA only (on GPUs: CUDA torch + torchvision + vLLM; see
 ``molt_lightning.policies.vision``).
 
-Scoring (``score``, a teacher on this engine): one forward of the whole sequence between decode steps (under the
-same weights lock, so a mixture-of-experts policy's routing record is never mixed with it), exactly the trainer's
-teacher logprobs at any temperature (``Policy.outputs``, tests/test_scoring.py).
+Scoring (``score``, a teacher on this engine): the sequences that arrive together, right-padded, in one forward
+between decode steps (under the same weights lock, so a mixture-of-experts policy's routing record is never mixed
+with it): the trainer's teacher logprobs at any temperature, within float32 rounding (tests/test_scoring.py).
 
 The decode loop is written by hand because ``generate`` offers no point between steps to swap weights and tag
 versions; the model forward, KV cache and position handling are transformers'.
@@ -59,6 +59,8 @@ class TorchEngine(RolloutEngine):
         self._pending: asyncio.Queue | None = None
         self._staged: dict[str, torch.Tensor] = {}
         self._scheduler: asyncio.Task | None = None
+        self._to_score: list = []  # (token ids, start, temperature, future) waiting for the next scoring forward
+        self._scorer: asyncio.Task | None = None
 
     async def open(self, model_path: str) -> None:
         from ..policies import load_lm
@@ -140,22 +142,50 @@ class TorchEngine(RolloutEngine):
         return await asyncio.to_thread(read)
 
     async def _score(self, token_ids: list[int], start: int, temperature: float) -> list[float]:
-        return await asyncio.to_thread(self._score_now, token_ids, start, temperature)
+        """Requests that arrive together (a group's trajectories) are scored in one batched forward."""
+        done = asyncio.get_running_loop().create_future()
+        self._to_score.append((token_ids, start, temperature, done))
+        if self._scorer is None or self._scorer.done():
+            self._scorer = asyncio.create_task(self._score_waiting())
+        return await done
+
+    async def _score_waiting(self) -> None:
+        while self._to_score:
+            batch, self._to_score = self._to_score, []
+            try:
+                scores = await asyncio.to_thread(self._score_now, [r[:3] for r in batch])
+            except Exception as e:  # noqa: BLE001 (every request of the batch gets it)
+                scores = [e] * len(batch)
+            for (*_, done), out in zip(batch, scores):
+                if done.done():  # its caller gave up (a deadline)
+                    continue
+                if isinstance(out, Exception):
+                    done.set_exception(out)
+                else:
+                    done.set_result(out)
 
     @torch.no_grad()
-    def _score_now(self, token_ids: list[int], start: int, temperature: float) -> list[float]:
-        """One forward of the whole sequence, off the loop, between decode steps (the weights lock) and never while
-        paused (a weight update in progress): the logprobs the trainer's teacher computes, without top-p. Text only
-        (a VLM's image tokens would need their pixels)."""
-        ids = torch.tensor([token_ids], device=self.device)  # (1, T)
-        while True:
-            self._unpaused.wait()
-            with self._weights:
-                if self._unpaused.is_set():
-                    logits = self.model(input_ids=ids).logits[0, start - 1:-1].float()  # (T - start, V)
-                    break
-        logp = torch.log_softmax(logits / temperature, dim=-1)  # (T - start, V)
-        return logp.gather(-1, ids[0, start:, None]).squeeze(-1).tolist()
+    def _score_now(self, requests: list[tuple[list[int], int, float]]) -> list[list[float]]:
+        """Forwards of the sequences, right-padded, a few rows at a time (at most ~2**26 logits per forward), off the
+        loop, between decode steps (the weights lock) and never while paused (a weight update in progress): the
+        logprobs the trainer's teacher computes, without top-p. Text only (a VLM's image tokens need their pixels)."""
+        width = max(len(ids) for ids, _, _ in requests)
+        per = max(1, 2**26 // (width * self.model.config.get_text_config().vocab_size))
+        out = []
+        for at in range(0, len(requests), per):
+            chunk = requests[at:at + per]
+            ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _, _ in chunk], device=self.device)  # (B, T)
+            mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _, _ in chunk], device=self.device)
+            while True:
+                self._unpaused.wait()
+                with self._weights:
+                    if self._unpaused.is_set():
+                        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()  # (B, T, V)
+                        break
+            for row, (seq, start, temperature) in enumerate(chunk):
+                logp = torch.log_softmax(logits[row, start - 1:len(seq) - 1] / temperature, dim=-1)  # (n, V)
+                out.append(logp.gather(-1, ids[row, start:len(seq), None]).squeeze(-1).tolist())
+        return out
 
     async def _schedule(self) -> None:
         while True:

@@ -53,8 +53,8 @@ from .admission import Admission
 from ..agents.client import AgentResult
 from ..agents.sessions import AgentSessions
 from ..config import Rollout
-from .teacher import score_with
-from ..engines.auxiliary import Auxiliary, AuxiliaryFailed
+from .teacher import scored
+from ..engines.auxiliary import Auxiliary
 from ..engines.base import derive_seed
 from ..trajectory import Status, Trajectory
 
@@ -97,6 +97,8 @@ class RolloutSource:
         rollout.check()
         self.agent, self.tasks, self.rollout, self.group_filter = agent, tasks, rollout, group_filter
         self.teacher = teacher  # scores every usable trajectory's policy tokens (distillation); started with the source
+        if teacher is not None:  # an engine that cannot score at the rollout temperature: said before anything starts
+            teacher.engine.check_score(rollout.temperature)
         self.admission = Admission(rollout.prompts_per_step, rollout.max_lag, rollout.admit_ahead)
         self.counts = RolloutCounts()
         self.failure_window = max(64, 2 * rollout.group_size * rollout.prompts_per_step)  # the breaker's agent runs
@@ -270,7 +272,8 @@ class RolloutSource:
         group = await asyncio.gather(*[self._run_agent(prompt, order, i, sample)
                                        for i in range(self.rollout.group_size)])
         if self.teacher is not None:
-            group = await asyncio.gather(*[self._scored(t) for t in group])
+            group = await asyncio.gather(*[scored(self.teacher, t, self.rollout.temperature, self._failed)
+                                           for t in group])
         usable = [t for t in group if t.status != Status.FAILED and t.num_policy_tokens > 0]
         with self._cond:
             self._running -= 1
@@ -327,14 +330,6 @@ class RolloutSource:
         why = await run_agent(self.agent, self.sessions, traj, request_seed(self.rollout.task_seed, prompt, index),
                               self.rollout.agent_timeout_s, self._count_agent_event)
         return traj if why is None else self._failed(traj, why)
-
-    async def _scored(self, traj: Trajectory) -> Trajectory:
-        try:
-            if traj.status != Status.FAILED:
-                await score_with(self.teacher, traj, self.rollout.temperature)
-        except AuxiliaryFailed as e:
-            return self._failed(traj, f"the teacher could not score it: {e}")
-        return traj
 
     def _failed(self, traj: Trajectory, reason: str) -> Trajectory:
         kind = _kind(reason)

@@ -10,9 +10,22 @@ rollout source asks the teacher's engine here, as each group completes, and the 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
-from ..engines.auxiliary import Auxiliary
-from ..trajectory import Kind, Trajectory
+from ..engines.auxiliary import Auxiliary, AuxiliaryFailed
+from ..trajectory import Kind, Status, Trajectory
+
+
+async def scored(teacher: Auxiliary, traj: Trajectory, temperature: float,
+                 failed: Callable[[Trajectory, str], Trajectory]) -> Trajectory:
+    """``traj`` with the teacher's logprobs on its policy spans (``score_with``); when the teacher cannot score it,
+    ``failed(traj, why)`` (the rollout source's count of failed samples). A failed trajectory is left as it is."""
+    if traj.status != Status.FAILED:
+        try:
+            await score_with(teacher, traj, temperature)
+        except AuxiliaryFailed as e:
+            return failed(traj, f"the teacher could not score it: {e}")
+    return traj
 
 
 async def score_with(teacher: Auxiliary, traj: Trajectory, temperature: float) -> None:

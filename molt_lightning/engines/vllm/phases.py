@@ -110,11 +110,14 @@ class VLLMPhases(RolloutEngine):
         (tests/test_scoring.py). Rescaling would need every token's logprob at every position (``prompt_logprobs=-1``:
         refused above ``max_logprobs``, 20 by default, and a Python object per vocabulary entry and position), so any
         temperature but 1 is refused with the fix."""
+        self.check_score(temperature)
+        return {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "detokenize": False}
+
+    def check_score(self, temperature: float) -> None:
         if temperature != 1.0:
             raise ValueError(f"the engine {self.where} (vLLM) scores at temperature 1.0 only: vLLM's prompt logprobs "
                              f"ignore the temperature, so {temperature} would silently score at 1.0. Serve the teacher "
                              "with TorchEngine, or train at temperature 1.0")
-        return {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "detokenize": False}
 
     def _scores(self, rows: list | None, token_ids: list[int], start: int) -> list[float]:
         """The logprobs of ``token_ids[start:]`` from vLLM's ``prompt_logprobs`` (one entry per prompt position, None
