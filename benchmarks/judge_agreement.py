@@ -14,7 +14,7 @@ answer.
 their held-out evaluation cut to 8 prompts x 1 run: the median s/step, the judge's requests and mean latency, failed
 samples.
 
-    python benchmarks/judge_agreement.py [--n 200] [--verdicts yes_no score:0-10]
+    python benchmarks/judge_agreement.py [--n 200] [--verdicts yes_no score:0-10] [--template TEXT]
     python benchmarks/judge_agreement.py --cost 10
 """
 
@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--verdicts", nargs="+", default=["yes_no", "score:0-10"])
     ap.add_argument("--cost", type=int, default=None, metavar="STEPS")
+    ap.add_argument("--template", default=None, help="the judge's template (default: its reference rubric)")
     a = ap.parse_args()
     if a.cost:
         return cost(a.cost)
@@ -119,7 +120,7 @@ def main() -> None:
     rows = []
     for verdict in a.verdicts:
         aux = Auxiliary(folder, TorchEngine(seed=0), name="judge")
-        judge = Judge(model=aux, verdict=verdict, max_tokens=24, timeout_s=600)
+        judge = Judge(model=aux, verdict=verdict, max_tokens=24, timeout_s=600, template=a.template)
 
         async def judged(reply: str, sample: dict):
             try:
@@ -139,7 +140,8 @@ def main() -> None:
         failed = Counter(v for v in verdicts if isinstance(v, str))
         pairs = [(e, v >= 0.5) for e, v in zip(exact, verdicts) if not isinstance(v, str)]
         rows.append({
-            "verdict": verdict, "answers": a.n, "exact correct": sum(exact),
+            "verdict": verdict, "template": "own" if a.template else "built-in", "answers": a.n,
+            "exact correct": sum(exact),
             "both correct": sum(e and j for e, j in pairs), "both wrong": sum(not e and not j for e, j in pairs),
             "judge-only correct": sum(j and not e for e, j in pairs),
             "exact-only correct": sum(e and not j for e, j in pairs),
