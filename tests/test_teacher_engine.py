@@ -164,3 +164,32 @@ def test_a_teacher_engine_that_cannot_score_at_the_rollout_temperature_is_refuse
 
     with pytest.raises(NotImplementedError, match="Unscoring cannot score tokens"):
         make(Algorithm(advantage="none", distill_coef=1.0), teacher=Auxiliary("x", Unscoring()))
+
+
+@pytest.mark.slow
+def test_an_in_process_vllm_teacher_beside_the_in_process_vllm_policy(vllm_engine):
+    """Two vLLM engines in one process (the policy's, the session's; the teacher's, an Auxiliary): the teacher scores
+    what the policy sampled as an HF forward of the teacher does, and stops without touching the policy's engine."""
+    from transformers import AutoModelForCausalLM
+
+    from molt_lightning.engines import Sampling, VLLMEngine
+    from molt_lightning.models.tiny import teacher_policy
+
+    aux = Auxiliary(teacher_policy(), VLLMEngine(seed=1), name="teacher")
+    hf = AutoModelForCausalLM.from_pretrained(teacher_policy(), dtype=torch.float32).eval()
+    try:
+        aux.start()
+        worst = 0.0
+        for prompt in ([1, 2, 3], [5, 8, 13, 21]):
+            out = vllm_engine.call(vllm_engine.generate(prompt, Sampling(max_tokens=12, seed=7)))
+            ids = prompt + out.token_ids
+            got = torch.tensor(vllm_engine.call(aux.score(ids, len(prompt))))
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, len(prompt) - 1:-1].float(), -1)
+            want = logp.gather(-1, torch.tensor(ids[len(prompt):])[:, None]).squeeze(-1)
+            worst = max(worst, float((got - want).abs().max()))
+        assert worst < 1e-4, worst
+        assert aux.take_metrics()["teacher/requests"] == 2
+    finally:
+        aux.stop()
+    assert vllm_engine.call(vllm_engine.generate([1, 2, 3], Sampling(max_tokens=2))).token_ids  # still serving
