@@ -5,10 +5,11 @@ teacher in the trainer (``model.teacher: <folder>``) and once on a torch engine 
 (``recipes/distill_teacher_engine.yaml``); per run the held-out avg@4 at the last evaluation, the median s/step and
 the trainer process's peak RSS; then molt-bench's verdict on the held-out means (``compare-published``).
 
-``--part memory`` (the memory): ``recipes/smollm2_chain_sum.yaml`` with SmolLM2-135M as its own teacher
-(``distill_coef`` 0.1 beside GRPO; at temperature 1.0, where a vLLM engine can score) for a few steps, the teacher in the trainer vs on a ``molt serve`` server
-(``RemoteVLLMEngine``, another process): the trainer process's peak RSS (``wait4``'s ``ru_maxrss``: the process
-itself, not its children; vLLM's CPU engine of the policy runs inside it either way) and s/step.
+``--part memory`` (the memory): ``recipes/smollm2_chain_sum.yaml`` (its held-out rounds cut to 8 prompts x 1) with
+SmolLM2-135M as its own teacher (``distill_coef`` 0.1 beside GRPO; at temperature 1.0, where a vLLM engine can score)
+for a few steps: no teacher, the teacher in the trainer, and on a ``molt serve`` server (``RemoteVLLMEngine``, another
+process): the trainer process's peak RSS (``wait4``'s ``ru_maxrss``: the process itself, not its children; vLLM's CPU
+engine of the policy runs inside it either way) and s/step.
 
     python benchmarks/teacher_engine.py --part distill [--seeds 0-2] [--steps 40]
     python benchmarks/teacher_engine.py --part memory [--steps 6]
@@ -24,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+from default_seeds import seeds  # "0-2" -> [0, 1, 2] (this script's folder is on the path)
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2_TEACHER = ("--model.teacher.class_path=molt_lightning.engines.Auxiliary "
@@ -56,11 +58,6 @@ def run(name: str, args: list[str]) -> dict:
             if "distill/reverse_kl" in m else None,
             "teacher requests": m["teacher/requests"].sum() if "teacher/requests" in m else 0,
             "teacher failures": m["teacher/failures"].sum() if "teacher/failures" in m else 0}
-
-
-def seeds(spec: str) -> list[int]:
-    lo, _, hi = spec.partition("-")
-    return list(range(int(lo), int(hi or lo) + 1))
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ fails the sample (``JudgeFailed``: counted as ``agent/judge_failed/<kind>``), ne
 
 from __future__ import annotations
 
+from .chat import message_text
 from .client import AgentResult
 from ..data.graders import DEFAULT_TIMEOUT_S, Verdict, VerifierFailed, verify
 from ..data.judge import Judge, JudgeFailed, JudgeVerdict
@@ -60,11 +61,10 @@ async def graded(client, verifier: str, reply: str, sample: dict, timeout_s: flo
 
 async def judge_graded(client, judge: Judge, reply: str, sample: dict) -> JudgeVerdict:
     """``judge.grade`` on the sample's last user message, counting a failure as ``agent/judge_failed/<kind>``."""
-    question = next((m.get("content") for m in reversed(sample["messages"]) if m.get("role") == "user"), "")
-    if isinstance(question, list):  # content parts: their text
-        question = "".join(p.get("text", "") for p in question if isinstance(p, dict))
+    question = message_text(next((m.get("content") for m in reversed(sample["messages"]) if m.get("role") == "user"),
+                                 ""))
     try:
-        return await judge.grade(question or "", reply, sample.get("answer"))
+        return await judge.grade(question, reply, sample.get("answer"))
     except JudgeFailed as e:
         client.count(f"judge_failed/{e.kind}")
         raise

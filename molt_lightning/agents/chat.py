@@ -186,3 +186,10 @@ def end_of_turn_ids(tokenizer, template_first: list[int] = ()) -> frozenset[int]
         ids.append(AutoConfig.from_pretrained(folder).get_text_config().eos_token_id)
     ids += [t for t in template_first if t in tokenizer.all_special_ids]
     return frozenset(i for x in ids for i in (x if isinstance(x, (list, tuple)) else [x]) if i is not None)
+
+
+def message_text(content) -> str:
+    """A message's text: the content string, or its text parts joined (images and other parts left out)."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content or [] if isinstance(p, dict) and p.get("type") == "text")

@@ -174,8 +174,8 @@ class TorchEngine(RolloutEngine):
         out = []
         for at in range(0, len(requests), per):
             chunk = requests[at:at + per]
-            ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _, _ in chunk], device=self.device)  # (B, T)
-            mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _, _ in chunk], device=self.device)
+            ids = torch.tensor([seq + [0] * (width - len(seq)) for seq, _, _ in chunk], device=self.device)  # (B, T)
+            mask = torch.tensor([[1] * len(seq) + [0] * (width - len(seq)) for seq, _, _ in chunk], device=self.device)
             while True:
                 self._unpaused.wait()
                 with self._weights:

@@ -177,12 +177,13 @@ def train_tokenizer(vocab_size: int, seed: int = 0, task=None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    from ..agents.chat import message_text
     from ..tasks import arithmetic
 
     task = task or arithmetic
     rng = random.Random(seed)
     dialogues = [task.demonstration(rng, 0.5) for _ in range(3000)]  # p_tool (p_right for tasks.shapes) 0.5
-    corpus = [_text(m["content"]) for d in dialogues for m in d]
+    corpus = [message_text(m["content"]) for d in dialogues for m in d]
     corpus += [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
                for d in dialogues for m in d for c in m.get("tool_calls", [])]
     corpus += ["user", "assistant", "tool", "system", "\n"]
@@ -205,13 +206,6 @@ def train_tokenizer(vocab_size: int, seed: int = 0, task=None):
     if hasattr(task, "RESPONSE_TEMPLATE"):
         tokenizer.response_template = task.RESPONSE_TEMPLATE
     return tokenizer
-
-
-def _text(content) -> str:
-    """A message's text: the content string, or its text parts joined (a multimodal message's images left out)."""
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text", "") for p in content if p.get("type") == "text")
 
 
 def tool_route_success(model, template, pad_id: int, n: int = 256, seed: int = 12345, task=None) -> float:
