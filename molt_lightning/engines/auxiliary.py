@@ -104,13 +104,14 @@ class Auxiliary:
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._guarded(make), self.engine.loop))
         except TimeoutError:
             self._add(timeouts=1)
-            raise AuxiliaryFailed(f"{self.name} ({self.model}) did not answer within {self.timeout_s} s; raise its "
-                                  "timeout_s or give it a faster engine", "timeout") from None
+            raise AuxiliaryFailed(f"{self.name} did not answer within {self.timeout_s} s; raise its timeout_s or give "
+                                  f"it a faster engine (model {self.model})", "timeout") from None
         except (asyncio.CancelledError, AuxiliaryFailed):
             raise
         except Exception as e:
             self._add(failures=1)
-            raise AuxiliaryFailed(f"{self.name} ({self.model}) failed: {type(e).__name__}: {e}", "engine_error") from e
+            raise AuxiliaryFailed(f"{self.name} failed: {type(e).__name__}: {e} (model {self.model})",
+                                  "engine_error") from e
         finally:
             self._add(requests=1, latency_s=time.perf_counter() - t0)  # counted when it ends, with its latency
 
