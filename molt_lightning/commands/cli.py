@@ -209,6 +209,13 @@ def main(args: list[str] | None = None) -> None:
     except (RolloutStopped, RolloutFailures, EngineUnavailable, DiskFull) as e:
         print(f"molt: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         sys.exit(128 + 15 if isinstance(e, RolloutStopped) else 1)
+    except RuntimeError as e:  # a collective whose peer on another node is gone: name it and the way back
+        from ..trainer.parallel import lost_peer
+
+        if (why := lost_peer(e)) is None:
+            raise
+        print(f"molt: {why}", file=sys.stderr)
+        sys.exit(1)
     finally:
         if quiet:
             quiet[0].end(failed)

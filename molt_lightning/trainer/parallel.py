@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import re
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -76,8 +77,8 @@ def check_strategy(trainer) -> None:
                          "the parameters and split the data)")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     on_cpu = trainer.accelerator.__class__.__name__ == "CPUAccelerator"
-    if on_cpu and trainer.world_size > (cores or 1):
-        raise ValueError(f"{trainer.world_size} CPU processes on a machine with {cores} cores would time-slice every "
+    if on_cpu and trainer.num_devices > (cores or 1):  # processes on this node (other nodes count their own cores)
+        raise ValueError(f"{trainer.num_devices} CPU processes on a machine with {cores} cores would time-slice every "
                          f"collective: use --trainer.devices {cores} or fewer")
     if on_cpu and str(trainer.precision).startswith("bf16") and not native_bf16():
         log.warning("--trainer.precision %s on a CPU without native bf16 (no AVX512-BF16, no AMX): torch emulates "
@@ -159,6 +160,27 @@ def all_gather(obj: Any, trainer) -> list[Any]:
     out = [None] * trainer.world_size
     torch.distributed.all_gather_object(out, obj)
     return out
+
+
+# what gloo and NCCL say when a rank of another node is gone (its process died, or the network to it broke)
+PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe|remote process exited|NCCL communicator was "
+                       r"aborted|Watchdog caught collective operation timeout|Socket Timeout|Timed out waiting")
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """The message for a collective that failed because a rank of the run is gone (None: some other error). It names
+    this process's rank and node, and the peer's address where the backend gives one."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
+            or not PEER_GONE.search(str(error)):
+        return None
+    env = os.environ.get
+    node = env("GROUP_RANK") or env("SLURM_NODEID") or "?"
+    nodes = env("GROUP_WORLD_SIZE") or env("SLURM_NNODES") or "?"  # torchrun's, SLURM's
+    first = str(error).splitlines()[0].split("] ", 1)[-1].split(". This is typically")[0][:200]  # gloo's boilerplate
+    return (f"trainer rank {torch.distributed.get_rank()} of {torch.distributed.get_world_size()} (node {node} of "
+            f"{nodes}) lost contact with another rank: {first}. A trainer process on that node died or the network "
+            "between the nodes broke, so every node stops. Relaunch every node with --ckpt_path last: the run resumes "
+            "from its last checkpoint")
 
 
 def all_reduce(t: torch.Tensor, trainer, op=None) -> torch.Tensor:
