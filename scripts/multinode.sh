@@ -5,12 +5,13 @@
 #   scripts/multinode.sh local            one machine: 2 servers on loopback + 2 trainer processes (ddp), 3 steps
 #   scripts/multinode.sh server           on each engine node: one server on 0.0.0.0:${PORT:-8000} (needs MOLT_API_KEY)
 #   scripts/multinode.sh trainer          on each trainer node, under torchrun (NODE_RANK, MASTER_ADDR, ENGINES)
-#   scripts/multinode.sh slurm            the trainer through SLURM (inside an sbatch allocation; ENGINES)
+#   (SLURM: scripts/molt.sbatch starts the servers and the trainer nodes of one allocation; docs/scale.md)
 #
 # Environment: PYTHON (default python), POLICY (a folder or dotted path; default the tiny arithmetic policy; every
 # node needs the same), MOLT_API_KEY (the shared token: servers on other hosts refuse weight and control requests
 # without it), ENGINES (comma-separated server URLs, e.g. http://engine-1:8000,http://engine-2:8000), NNODES,
-# GPUS_PER_NODE (trainer processes per node, default 1), STEPS, CHANNEL. Weights cross machines in the HTTP body
+# GPUS_PER_NODE (trainer processes per node, default 1), STEPS, CHANNEL, STRATEGY (ddp, fsdp2), MASTER_PORT, RECIPE
+# (its engine is used when ENGINES is empty). Weights cross machines in the HTTP body
 # (CHANNEL=http, the default; the shared-memory channel needs the servers on the trainer's rank-0 machine). On GPU
 # clusters CHANNEL=nccl (on the servers and the trainer) broadcasts them over NCCL instead: servers start with
 # `molt serve --nccl`, and each server's workers dial the trainer's rank 0 on port 29600 + its index in ENGINES.
@@ -21,7 +22,8 @@ POLICY=${POLICY:-molt_lightning.models.tiny.arithmetic_policy}
 STEPS=${STEPS:-3}
 RECIPE=${RECIPE:-recipes/pool.yaml}
 
-pool_args() {  # the recipe's engine: a pool over $ENGINES
+pool_args() {  # the recipe's engine: a pool over $ENGINES (none: the recipe's own engine, on the trainer's rank 0)
+  [ -n "${ENGINES:-}" ] || return 0
   echo --model.engine.init_args.servers 0 --model.engine.init_args.urls "[${ENGINES}]" \
        --model.engine.init_args.channel "${CHANNEL:-http}"
 }
@@ -53,21 +55,15 @@ case "${1:-}" in
     exec "$PYTHON" -m molt_lightning.commands.serve --policy "$POLICY" --host 0.0.0.0 --port "${PORT:-8000}" "${nccl[@]}"
     ;;
   trainer)
-    : "${ENGINES:?set ENGINES to the servers' URLs}" "${MASTER_ADDR:?}" "${NODE_RANK:?}" "${NNODES:?}"
-    exec torchrun --nnodes "$NNODES" --nproc-per-node "${GPUS_PER_NODE:-1}" --node-rank "$NODE_RANK" \
-      --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}" -m molt_lightning.commands.cli fit \
-      --config "$RECIPE" $(pool_args) --trainer.strategy ddp --trainer.num_nodes "$NNODES" \
-      --trainer.devices "${GPUS_PER_NODE:-1}" --trainer.accelerator "${ACCELERATOR:-auto}" --trainer.max_steps "$STEPS"
-    ;;
-  slurm)
-    : "${ENGINES:?set ENGINES to the servers' URLs}"
-    # sbatch --nodes=$NNODES --ntasks-per-node=$GPUS_PER_NODE scripts/multinode.sh slurm: Lightning reads SLURM's env
-    exec srun "$PYTHON" -m molt_lightning.commands.cli fit --config "$RECIPE" $(pool_args) --trainer.strategy ddp \
-      --trainer.num_nodes "${SLURM_NNODES:?run inside an allocation}" --trainer.devices "${GPUS_PER_NODE:-1}" \
-      --trainer.accelerator "${ACCELERATOR:-auto}" --trainer.max_steps "$STEPS"
+    : "${MASTER_ADDR:?}" "${NODE_RANK:?}" "${NNODES:?}"
+    exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "${GPUS_PER_NODE:-1}" \
+      --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}" \
+      -m molt_lightning.commands.cli fit --config "$RECIPE" $(pool_args) --trainer.strategy "${STRATEGY:-ddp}" \
+      --trainer.num_nodes "$NNODES" --trainer.devices "${GPUS_PER_NODE:-1}" \
+      --trainer.accelerator "${ACCELERATOR:-auto}" --trainer.max_steps "$STEPS" "${@:2}"
     ;;
   *)
-    sed -n 2,16p "$0"
+    sed -n 2,17p "$0"
     exit 2
     ;;
 esac

@@ -33,15 +33,17 @@ def grouped(model: dict) -> dict:
     return out
 
 
-def fit(tmp_path: Path, strategy: str, steps: int, name: str = "run", ckpt: str | None = None,
-        engine: dict | None = None, bucket_mb: int = 256, **model) -> Path:
+def recipe(tmp_path: Path, strategy: str, steps: int, name: str = "run", engine: dict | None = None,
+           bucket_mb: int = 256, devices: int = 2, callbacks: tuple[dict, ...] = (), **model) -> tuple[Path, Path]:
+    """A ``molt fit`` config for the tiny task (the torch engine unless ``engine``) with the ``Probe`` callback and a
+    checkpoint per step in ``tmp_path / "ckpt"``; returns it and the probe's folder."""
     probe = tmp_path / f"probe-{name}"
     model = grouped({"group_size": 4, "prompts_per_step": 4, "lr": 3.0e-4, **model})
     config = {
         "seed_everything": 0,
         "trainer": {
-            "accelerator": "cpu", "devices": 2, "strategy": strategy, "max_steps": steps, "log_every_n_steps": 1,
-            "enable_progress_bar": False, "enable_model_summary": False,
+            "accelerator": "cpu", "devices": devices, "strategy": strategy, "max_steps": steps,
+            "log_every_n_steps": 1, "enable_progress_bar": False, "enable_model_summary": False,
             "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
                        "init_args": {"save_dir": str(tmp_path), "name": name}},
             "callbacks": [
@@ -49,6 +51,7 @@ def fit(tmp_path: Path, strategy: str, steps: int, name: str = "run", ckpt: str 
                 {"class_path": "molt_lightning.callbacks.WeightSync", "init_args": {"bucket_mb": bucket_mb}},
                 {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                  "init_args": {"dirpath": str(tmp_path / "ckpt"), "every_n_train_steps": 1, "save_last": True}},
+                *callbacks,
             ],
         },
         "model": {"engine": engine or {"class_path": "molt_lightning.engines.TorchEngine", "init_args": {"seed": 0}},
@@ -57,11 +60,18 @@ def fit(tmp_path: Path, strategy: str, steps: int, name: str = "run", ckpt: str 
     }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT / 'tests' / 'helpers'}:{ROOT}"}
+    return path, probe
+
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT / 'tests' / 'helpers'}:{ROOT}"}
+
+
+def fit(tmp_path: Path, strategy: str, steps: int, name: str = "run", ckpt: str | None = None, **kw) -> Path:
+    path, probe = recipe(tmp_path, strategy, steps, name, **kw)
     args = [sys.executable, "-m", "molt_lightning.commands.cli", "fit", "--config", str(path)]
     if ckpt:
         args += ["--ckpt_path", ckpt]
-    out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     return probe
 

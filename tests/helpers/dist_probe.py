@@ -1,7 +1,8 @@
 """A callback for the 2-process tests (imported by the CLI's ranks through PYTHONPATH): per rank and step it writes
 which samples the rank trained on, how much of each parameter it holds, and, on rank 0, whether the engine's weights
 equal the gathered policy weights (a LoRA policy: its adapter) of the version it serves; at the end, rank 0 saves the
-trainer's logprobs on the export tests' batch (``logprob_probe``)."""
+trainer's logprobs on the export tests' batch (``logprob_probe``) and the fingerprint samples of the last weights it
+synced (``final_weights.pt``: what every engine must serve at the end)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,12 @@ class Probe(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         import torch
         from logprob_probe import trainer_logprobs
+
+        from molt_lightning.engines.fingerprint import samples
+
+        full = {k: v for b in buckets(pl_module.policy.lm, 2**20) for k, v in b.items()}  # every rank: FSDP2 gathers
+        if trainer.global_rank == 0:
+            torch.save(samples(full), os.path.join(self.out, "final_weights.pt"))
 
         lps = trainer_logprobs(pl_module.policy, pl_module.tokenizer)  # every rank: FSDP2 gathers in the forward
         if trainer.global_rank == 0:
