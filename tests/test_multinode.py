@@ -6,10 +6,9 @@ every sync, and the servers' weights read back at the end), the audit accounts f
 nodes wrote resumes on one, the two nodes take the steps one process takes (same seeds), and a node that dies stops
 the run with a message that names it, after which both nodes resume from the last checkpoint losing nothing.
 
-An engine server that dies mid-run (the pool routes around it and loads it the current weights when it returns) is
-``tests/test_remote.py::test_a_killed_server_fails_its_requests_and_a_restarted_one_loads_the_current_weights``:
-the pool lives on the
-trainer's rank 0 however many nodes there are."""
+An engine server killed under the two nodes fails its requests in flight (counted), the pool routes around it, and
+when it is back the pool loads it the current weights before it serves; the run goes on and both servers serve its
+last weights (``tests/test_remote.py`` checks the same pool's routing and failure accounting in one process)."""
 
 from __future__ import annotations
 
@@ -34,9 +33,9 @@ P = 4  # prompts per step
 STOPS_WITHIN_S = 180  # a node's death to the other's exit: gloo sees the peer's socket close at its next collective
 
 
-def pool(servers) -> dict:
+def pool(servers, **kw) -> dict:
     return {"class_path": "molt_lightning.engines.EnginePool",
-            "init_args": {"urls": [s.url for s in servers], "channel": "http", "down_timeout_s": 60}}
+            "init_args": {"urls": [s.url for s in servers], "channel": "http", "down_timeout_s": 60, **kw}}
 
 
 def audited(tmp_path: Path) -> tuple[dict, ...]:
@@ -94,6 +93,13 @@ def check_rows(probe: Path, versions: list[int]) -> None:
         assert a["samples"] and b["samples"] and not set(a["samples"]) & set(b["samples"])
         assert sorted(a["samples"] + b["samples"]) == a["all_samples"] == b["all_samples"]
         assert len(a["all_samples"]) == P
+
+
+def wait_for(what, deadline_s: float, nodes: list[subprocess.Popen], log: Path) -> None:
+    deadline = time.time() + deadline_s
+    while not what() and time.time() < deadline and all(n.poll() is None for n in nodes):
+        time.sleep(0.05)
+    assert all(n.poll() is None for n in nodes) and what(), log.read_text()[-3000:]
 
 
 def served(server, final: dict) -> list[str]:
@@ -180,3 +186,39 @@ def test_a_dead_trainer_node_stops_the_run_naming_it_and_both_nodes_resume_lossl
            tmp_path, tag="resumed")
     kept = lossless(tmp_path, steps)
     assert [r["version"] for r in kept] == list(range(1, steps + 1))
+
+
+@pytest.mark.slow
+def test_an_engine_server_killed_under_two_trainer_nodes_rejoins_with_the_current_weights(molt_servers, tmp_path):
+    """Both nodes held after step 2 (max_lag 1: rollouts for the next step may be in flight, and the version-2 load);
+    server 1 is killed, what it had in flight fails and is counted, it restarts on its port, and the pool (on node 0's
+    rank 0) loads it the current version before it serves; released, the run trains its last step on both and ends
+    with both serving its weights."""
+    marks = tmp_path / "marks"
+    config, probe = recipe(tmp_path, "ddp", 3, engine=pool(molt_servers, health_interval_s=0.5), devices=1,
+                           max_lag=1, max_failure_rate=1.0, callbacks=({"class_path": "kill_points.Marks"},))
+    nodes = launch(config, 3, tmp_path, "ddp", ",".join(s.url for s in molt_servers), tag="engine",
+                   MOLT_MARKS=str(marks), MOLT_HOLD="1")
+    log, down = tmp_path / "engine-node0.log", False
+    try:
+        wait_for(lambda: len(list(marks.glob("held-*"))) == 2, 600, nodes, log)
+        molt_servers[1].stop()
+        down = True
+        wait_for(lambda: f"{molt_servers[1].url} is down" in log.read_text(), 120, nodes, log)
+        molt_servers[1].start()  # the same port
+        molt_servers[1].wait_ready(600)
+        down = False
+        wait_for(lambda: f"{molt_servers[1].url} serves again" in log.read_text(), 120, nodes, log)
+        for held in marks.glob("held-*"):
+            (marks / f"release-{held.name.split('-')[1]}").touch()
+        finish(nodes, tmp_path, tag="engine")
+    finally:
+        if down:  # leave the session's server up for the tests after this one
+            molt_servers[1].start()
+            molt_servers[1].wait_ready(600)
+    steps = metrics(tmp_path, "run").dropna(subset=["reward"])
+    cut = log.read_text().count("failed and will not be trained on")  # requests the kill cut (if any were in flight)
+    assert len(steps) == 3 and steps["samples/failed_total"].iloc[-1] == cut  # each one counted
+    final = torch.load(probe / "final_weights.pt", weights_only=False)
+    for server in molt_servers:
+        assert served(server, final) == []
