@@ -10,14 +10,15 @@
 # Environment: PYTHON (default python), POLICY (a folder or dotted path; default the tiny arithmetic policy; every
 # node needs the same), MOLT_API_KEY (the shared token: servers on other hosts refuse weight and control requests
 # without it), ENGINES (comma-separated server URLs, e.g. http://engine-1:8000,http://engine-2:8000), NNODES,
-# GPUS_PER_NODE (trainer processes per node, default 1), STEPS, CHANNEL, STRATEGY (ddp, fsdp2), MASTER_PORT, RECIPE
-# (its engine is used when ENGINES is empty). Weights cross machines in the HTTP body
+# GPUS_PER_NODE (trainer processes per node, default 1), STEPS, CHANNEL, STRATEGY (ddp, fsdp2; empty: the recipe's,
+# e.g. DDPStrategy with a timeout), MASTER_PORT, RECIPE (its engine is used when ENGINES is empty). Weights cross machines in the HTTP body
 # (CHANNEL=http, the default; the shared-memory channel needs the servers on the trainer's rank-0 machine). On GPU
 # clusters CHANNEL=nccl (on the servers and the trainer) broadcasts them over NCCL instead: servers start with
 # `molt serve --nccl`, and each server's workers dial the trainer's rank 0 on port 29600 + its index in ENGINES.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
+STRATEGY=${STRATEGY-ddp}
 POLICY=${POLICY:-molt_lightning.models.tiny.arithmetic_policy}
 STEPS=${STEPS:-3}
 RECIPE=${RECIPE:-recipes/pool.yaml}
@@ -58,7 +59,7 @@ case "${1:-}" in
     : "${MASTER_ADDR:?}" "${NODE_RANK:?}" "${NNODES:?}"
     exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "${GPUS_PER_NODE:-1}" \
       --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}" \
-      -m molt_lightning.commands.cli fit --config "$RECIPE" $(pool_args) --trainer.strategy "${STRATEGY:-ddp}" \
+      -m molt_lightning.commands.cli fit --config "$RECIPE" $(pool_args) ${STRATEGY:+--trainer.strategy "$STRATEGY"} \
       --trainer.num_nodes "$NNODES" --trainer.devices "${GPUS_PER_NODE:-1}" \
       --trainer.accelerator "${ACCELERATOR:-auto}" --trainer.max_steps "$STEPS" "${@:2}"
     ;;

@@ -222,3 +222,33 @@ def test_an_engine_server_killed_under_two_trainer_nodes_rejoins_with_the_curren
     final = torch.load(probe / "final_weights.pt", weights_only=False)
     for server in molt_servers:
         assert served(server, final) == []
+
+
+@pytest.mark.slow
+def test_a_hung_trainer_node_stops_the_run_within_the_strategy_timeout(tmp_path):
+    """A node that stops answering without closing its sockets (SIGSTOP: a frozen host, a cut cable) is noticed only
+    at the process group's timeout: with the recipe's ``DDPStrategy(timeout=...)`` at 20 s, node 0 stops within it
+    (plus its start-up of the collective) and names the lost peer."""
+    marks = tmp_path / "marks"
+    strategy = {"class_path": "lightning.pytorch.strategies.DDPStrategy", "init_args": {"timeout": "0:00:20"}}
+    config, _ = recipe(tmp_path, strategy, 6, devices=1, max_lag=1, callbacks=({"class_path": "kill_points.Marks"},))
+    nodes = launch(config, 6, tmp_path, "", tag="hung", MOLT_MARKS=str(marks), MOLT_HOLD="1")
+    log = tmp_path / "hung-node0.log"
+    node1 = [psutil.Process(nodes[1].pid), *psutil.Process(nodes[1].pid).children(recursive=True)]
+    try:
+        wait_for(lambda: len(list(marks.glob("held-*"))) == 2, 600, nodes, log)
+        node1 = [psutil.Process(nodes[1].pid), *psutil.Process(nodes[1].pid).children(recursive=True)]
+        rank0 = next(c.pid for c in psutil.Process(nodes[0].pid).children(recursive=True)
+                     if (marks / f"held-{c.pid}").exists())
+        for process in node1:
+            process.suspend()  # node 1 hangs: its sockets stay open
+        (marks / f"release-{rank0}").touch()
+        released = time.time()
+        nodes[0].wait(STOPS_WITHIN_S)
+        stopped_after = time.time() - released
+    finally:
+        for process in node1:
+            process.kill()
+    text = log.read_text()
+    assert nodes[0].returncode != 0 and "lost contact with" in text, text[-4000:]
+    assert 20 <= stopped_after < STOPS_WITHIN_S, stopped_after

@@ -178,9 +178,9 @@ def lost_peer(error: BaseException) -> str | None:
     nodes = env("GROUP_WORLD_SIZE") or env("SLURM_NNODES") or "?"  # torchrun's, SLURM's
     first = str(error).splitlines()[0].split("] ", 1)[-1].split(". This is typically")[0][:200]  # gloo's boilerplate
     return (f"trainer rank {torch.distributed.get_rank()} of {torch.distributed.get_world_size()} (node {node} of "
-            f"{nodes}) lost contact with another rank: {first}. A trainer process on that node died or the network "
-            "between the nodes broke, so every node stops. Relaunch every node with --ckpt_path last: the run resumes "
-            "from its last checkpoint")
+            f"{nodes}) lost contact with another rank: {first}. A trainer process on another node died or hangs, or "
+            "the network between the nodes broke, so every node stops. Relaunch every node with --ckpt_path last: "
+            "the run resumes from its last checkpoint")
 
 
 def all_reduce(t: torch.Tensor, trainer, op=None) -> torch.Tensor:
