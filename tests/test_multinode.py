@@ -6,7 +6,7 @@ every sync, and the servers' weights read back at the end), the audit accounts f
 nodes wrote resumes on one, the two nodes take the steps one process takes (same seeds), and a node that dies stops
 the run with a message that names it, after which both nodes resume from the last checkpoint losing nothing.
 
-An engine server killed under the two nodes fails its requests in flight (counted), the pool routes around it, and
+An engine server SIGKILLed under the two nodes fails its requests in flight (counted), the pool routes around it, and
 when it is back the pool loads it the current weights before it serves; the run goes on and both servers serve its
 last weights (``tests/test_remote.py`` checks the same pool's routing and failure accounting in one process)."""
 
@@ -202,7 +202,7 @@ def test_an_engine_server_killed_under_two_trainer_nodes_rejoins_with_the_curren
     log, down = tmp_path / "engine-node0.log", False
     try:
         wait_for(lambda: len(list(marks.glob("held-*"))) == 2, 600, nodes, log)
-        molt_servers[1].stop()
+        molt_servers[1].stop(signal.SIGKILL)  # the server and its engine core die at once
         down = True
         wait_for(lambda: f"{molt_servers[1].url} is down" in log.read_text(), 120, nodes, log)
         molt_servers[1].start()  # the same port

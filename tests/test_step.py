@@ -166,9 +166,12 @@ def test_bad_setups_are_refused_with_the_fix():
     from molt_lightning.trainer.parallel import check_strategy
 
     cores = len(__import__("os").sched_getaffinity(0))
-    trainer = SimpleNamespace(strategy=DDPStrategy(), accelerator=CPUAccelerator(), world_size=cores + 1)
+    trainer = SimpleNamespace(strategy=DDPStrategy(), accelerator=CPUAccelerator(), num_devices=cores + 1,
+                              world_size=cores + 1, precision="32-true")
     with pytest.raises(ValueError, match=f"use --trainer.devices {cores} or fewer"):
         check_strategy(trainer)
+    trainer.num_devices, trainer.world_size = cores, 2 * cores  # two nodes, each with a process per core: fine
+    check_strategy(trainer)
     trainer.strategy = SimpleNamespace()  # e.g. DeepSpeed, FSDP1
     with pytest.raises(ValueError, match="not supported by AsyncRLModule: use auto"):
         check_strategy(trainer)
@@ -191,7 +194,8 @@ def test_bf16_on_a_cpu_that_emulates_it_is_warned_with_the_fix(monkeypatch, capl
 
     from molt_lightning.trainer import parallel
 
-    trainer = SimpleNamespace(strategy=SingleDeviceStrategy("cpu"), accelerator=CPUAccelerator(), world_size=1)
+    trainer = SimpleNamespace(strategy=SingleDeviceStrategy("cpu"), accelerator=CPUAccelerator(), num_devices=1,
+                              world_size=1)
     for native, precision, warned in ((False, "bf16-mixed", True), (False, "bf16-true", True),
                                       (True, "bf16-mixed", False), (False, "32-true", False)):
         monkeypatch.setattr(parallel, "native_bf16", lambda: native)
