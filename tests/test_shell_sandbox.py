@@ -1,0 +1,311 @@
+"""The shell sandbox per agent episode (molt_lightning.agents.tools.shell): the same escape suite against both backends.
+
+bubblewrap tests need `bwrap`; buildah tests need root, buildah and the local base image that containers/build.sh
+makes (``localhost/debian:bookworm-minbase``; nothing is pulled), and are marked slow. Commands only use bash and
+coreutils, which both the host (bwrap's image) and the debootstrapped base have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from molt_lightning.agents.tools.shell import BubblewrapBackend, BuildahBackend, PrepareError, ShellSession
+
+BASE = "localhost/debian:bookworm-minbase"
+LIMITS = dict(max_output=2000, command_timeout_s=20, memory_mb=256, max_processes=32, file_mb=8)
+
+
+def _buildah_missing() -> str | None:
+    if shutil.which("buildah") is None:
+        return "buildah is not installed (apt-get install -y buildah)"
+    if os.geteuid() != 0:
+        return "BuildahBackend needs root (buildah's chroot isolation)"
+    if subprocess.run(["buildah", "inspect", "--type", "image", BASE], capture_output=True).returncode != 0:
+        return f"the local base image {BASE} is missing: build it with containers/build.sh (debootstrap)"
+    return None
+
+
+NO_BWRAP = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install "
+                              "bubblewrap)")
+BACKENDS = [pytest.param("bwrap", marks=NO_BWRAP),
+            pytest.param("buildah", marks=[pytest.mark.slow, pytest.mark.skipif(_buildah_missing() is not None,
+                                                                                reason=str(_buildah_missing()))])]
+
+
+def make_backend(kind: str, cache_dir: Path, **overrides):
+    limits = {**LIMITS, **overrides}
+    return BubblewrapBackend(cache_dir=cache_dir, **limits) if kind == "bwrap" else BuildahBackend(**limits)
+
+
+def environment(folder: Path, dockerfile: str, **files: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "Dockerfile").write_text(dockerfile)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+TASK = f"FROM {BASE}\nWORKDIR /app\nENV GREETING=hello\nCOPY data.txt .\nRUN sort data.txt > sorted.txt\n"
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def setup(request, tmp_path_factory):
+    """(backend, prepared task) for each backend: prepared once per module."""
+    backend = make_backend(request.param, tmp_path_factory.mktemp("cache"))
+    return request.param, backend, backend.prepare(environment(tmp_path_factory.mktemp("env"), TASK,
+                                                               **{"data.txt": "pear\napple\nfig\n"}))
+
+
+def episode(setup, body, episode_timeout_s: float = 120):
+    """Start an episode, ``await body(session)``, close it; returns (body's result, the closed session)."""
+    _, backend, prepared = setup
+
+    async def main():
+        session = await backend.start(prepared, episode_timeout_s)
+        try:
+            return await body(session), session
+        finally:
+            await session.close()
+    return asyncio.run(main())
+
+
+def leftovers(uid: int, marker: str = "\0", wait_s: float = 0.0) -> list[int]:
+    """Pids on this machine running as the episode's uid, or with ``marker`` in their command line (zombies, dead and
+    waiting to be reaped, do not count); with ``wait_s``, polls until there are none or that time is up (bwrap
+    returns the command's exit status while the kernel still tears its pid namespace down)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = [proc.pid for proc in psutil.process_iter(["uids", "cmdline", "status"])
+                 if proc.info["status"] != psutil.STATUS_ZOMBIE and (proc.info["uids"] and proc.info["uids"].real == uid
+                                                                    or marker in " ".join(proc.info["cmdline"] or []))]
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.01)
+
+
+def test_prepared_files_state_between_commands_put_and_read(setup, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOLT_HOST_SECRET", "leak")
+    tests = environment(tmp_path / "tests", "unused", **{"test.sh": "echo testing\n"})
+
+    async def body(session: ShellSession):
+        first = await session.run("pwd; cat sorted.txt; ls; echo $GREETING $HOME $TERM $LANG; env")
+        second = await session.run("echo kept > notes.txt; cd /tmp && echo scratch > t.txt && pwd")
+        third = await session.run("pwd; cat notes.txt /tmp/t.txt; exit 3")
+        await session.put(tests, "/tests")
+        fourth = await session.run("bash /tests/test.sh; echo 1 > /logs/verifier/reward.txt")
+        return (first, second, third, fourth, await session.read("/logs/verifier/reward.txt"),
+                await session.read("/app/sorted.txt"), await session.read("/app/missing"))
+
+    (first, second, third, fourth, reward, sorted_, missing), session = episode(setup, body)
+    assert first.exit_code == 0 and not first.timed_out, first
+    lines = first.output.splitlines()
+    assert lines[:4] == ["/app", "apple", "fig", "pear"]  # RUN at prepare time: the episode sees its output
+    assert "data.txt" in lines and "sorted.txt" in lines
+    assert "hello /app dumb C.UTF-8" in lines
+    assert "MOLT_HOST_SECRET" not in first.output  # nothing of the host's environment
+    assert second.output == "/tmp\n"
+    assert third.output == "/app\nkept\nscratch\n" and third.exit_code == 3  # cwd reset, files kept
+    assert fourth.output == "testing\n" and fourth.exit_code == 0
+    assert reward == b"1\n" and sorted_ == b"apple\nfig\npear\n" and missing is None
+    assert [c["command"] for c in session.commands][1].startswith("echo kept")
+    assert set(session.commands[0]) == {"command", "output", "exit_code", "timed_out", "seconds"}
+
+
+def test_writes_outside_the_work_dir_fail_and_the_host_is_unchanged(setup):
+    name = f"molt-shell-escape-{uuid.uuid4().hex}"
+    targets = [f"/etc/{name}", f"/usr/{name}", f"/usr/bin/{name}", f"/{name}"]
+
+    async def body(session):
+        writes = "; ".join(f"echo x > {t} && echo WROTE {t}" for t in targets)
+        return await session.run(f"{writes}; echo x > /tmp/{name}")  # its own /tmp: allowed, but not the host's
+
+    try:
+        result, _ = episode(setup, body)
+        assert "WROTE" not in result.output, result
+        assert result.output.count("Read-only file system") + result.output.count("Permission denied") == 4, result
+        assert not any(os.path.exists(t) for t in [*targets, f"/tmp/{name}"])  # the host's /tmp too
+    finally:
+        for target in [*targets, f"/tmp/{name}"]:
+            if os.path.exists(target):
+                os.remove(target)
+
+
+def test_network_is_unreachable(setup):
+    with socket.socket() as listener:  # loopback only, never any other address
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+
+        async def body(session):
+            return await session.run(f"exec 3<>/dev/tcp/127.0.0.1/{port} && echo CONNECTED", timeout_s=10)
+
+        result, _ = episode(setup, body)
+        assert "CONNECTED" not in result.output and result.exit_code not in (0, None), result
+        assert "Network is unreachable" in result.output or "Connection refused" in result.output, result
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody came through
+
+
+def test_fork_bomb_is_contained_and_the_machine_keeps_working(setup):
+    async def body(session):
+        bomb, most = asyncio.create_task(session.run(":(){ :|:& };:; sleep 1", timeout_s=1.0)), 0
+        while not bomb.done():  # the episode's processes, counted from here while it runs
+            most = max(most, len(leftovers(session.uid)))
+            await asyncio.sleep(0.02)
+        return await bomb, most, await session.run("echo still here")
+
+    (bomb, most, after), session = episode(setup, body)
+    assert "Resource temporarily unavailable" in bomb.output and bomb.seconds < 6, bomb.output[-500:]
+    assert 4 <= most <= LIMITS["max_processes"], most  # it spread, up to the limit (which the message shows it hit)
+    assert after.output == "still here\n" and after.exit_code == 0
+    assert subprocess.run(["true"]).returncode == 0 and leftovers(session.uid, wait_s=5) == []
+
+
+def test_huge_output_is_clipped_and_returns_promptly(setup):
+    async def body(session):
+        return await session.run("yes | head -c 50M; echo THE-END")  # yes ends by SIGPIPE, silently
+
+    result, _ = episode(setup, body)
+    assert result.exit_code == 0 and len(result.output) <= LIMITS["max_output"], len(result.output)
+    assert "characters cut]" in result.output and result.output.startswith("y\ny\n")
+    assert result.output.endswith("y\nTHE-END\n") and "Broken pipe" not in result.output and result.seconds < 15
+
+
+def test_a_command_that_never_ends_is_killed_at_its_deadline(setup):
+    async def body(session):
+        return await session.run("echo started; sleep 1000", timeout_s=1.0)
+
+    result, _ = episode(setup, body)
+    assert result.timed_out and result.exit_code is None and result.output == "started\n", result
+    assert 1.0 <= result.seconds < 6
+
+
+def test_the_episode_deadline(setup):
+    async def body(session):
+        killed = await session.run("sleep 1000")  # the command's own deadline (20 s) is later than the episode's
+        return killed, await session.run("echo never"), session.deadline
+
+    (killed, after, deadline), session = episode(setup, body, episode_timeout_s=1.0)
+    assert killed.timed_out and killed.exit_code is None and killed.seconds < 6, killed
+    assert after.timed_out and after.exit_code is None and after.seconds == 0 and "never" not in after.output
+    assert time.monotonic() >= deadline and len(session.commands) == 2
+
+
+def test_no_process_outlives_its_command_or_the_episode(setup):
+    marker = f"1000.{uuid.uuid4().int % 10**8}"
+
+    async def body(session):
+        started = await session.run(f"sleep {marker} & nohup sleep {marker} >/dev/null 2>&1 & setsid -f sleep {marker};"
+                                    f" (sleep {marker} &); disown -a; id -u")
+        return started, leftovers(int(started.output.split()[-1]), marker, wait_s=5)
+
+    (started, during), session = episode(setup, body)
+    assert started.exit_code == 0 and started.seconds < 10 and during == [], (started, during)
+    assert leftovers(session.uid, marker) == []
+
+
+def test_memory_and_file_size_limits(setup):
+    async def body(session):
+        memory = await session.run(f"printf -v x '%*s' $(({LIMITS['memory_mb'] + 64} * 1024 * 1024)) ''; echo NOPE")
+        big = await session.run(f"head -c {LIMITS['file_mb'] + 1}M /dev/zero > big || echo failed $?; stat -c %s big")
+        return memory, big, await session.run("echo fine")
+
+    (memory, big, after), _ = episode(setup, body)
+    assert memory.exit_code not in (0, None) and "cannot allocate" in memory.output and "NOPE" not in memory.output
+    assert f"failed 153\n{LIMITS['file_mb'] << 20}\n" in big.output, big  # SIGXFSZ (128 + 25) at the limit
+    assert after.output == "fine\n"
+
+
+def test_close_throws_the_episode_away(setup):
+    kind = setup[0]
+
+    async def body(session):
+        await session.run("echo data > kept.txt")
+        return session.base if kind == "bwrap" else session.name
+
+    where, session = episode(setup, body)
+    if kind == "bwrap":
+        assert not where.exists()
+    else:
+        assert subprocess.run(["buildah", "inspect", where], capture_output=True).returncode != 0
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(session.run("true"))
+    asyncio.run(session.close())  # idempotent
+
+
+def test_prepare_is_cached(setup, tmp_path):
+    _, backend, prepared = setup
+    start = time.monotonic()  # a copy elsewhere: the same content, so the same key and nothing rebuilt
+    again = backend.prepare(environment(tmp_path / "copy", TASK, **{"data.txt": "pear\napple\nfig\n"}))
+    assert again == prepared and time.monotonic() - start < 1.0
+
+
+def test_prepare_errors_name_the_file_the_line_and_the_fix(setup, tmp_path):
+    kind, backend, _ = setup
+    if kind == "bwrap":
+        for bad, line in [("USER nobody", 3), ("COPY --from=build /x .", 3), ("ARG VERSION=1", 3)]:
+            env = environment(tmp_path / uuid.uuid4().hex, f"FROM {BASE}\nWORKDIR /app\n{bad}\n")
+            with pytest.raises(PrepareError, match=rf"{env / 'Dockerfile'}:{line}: .*use BuildahBackend"):
+                backend.prepare(env)
+        env = environment(tmp_path / "fails", f"FROM {BASE}\nWORKDIR /app\nRUN echo x > /etc/molt-x\n")
+        with pytest.raises(PrepareError, match=rf"{env / 'Dockerfile'}:3: RUN failed"):
+            backend.prepare(env)  # only the work dir is writable at prepare time too
+        assert not os.path.exists("/etc/molt-x")
+    else:
+        env = environment(tmp_path / "missing", f"FROM {BASE}\nWORKDIR /app\nFROM ubuntu:99.04 AS two\n")
+        fix = rf"{env / 'Dockerfile'}:3: FROM ubuntu:99.04: .*debootstrap.*base_images"
+        with pytest.raises(PrepareError, match=fix):
+            backend.prepare(env)
+
+
+def test_time_per_episode(setup, capsys):
+    """Start, three commands, close (prepare excluded): printed, not asserted."""
+    async def body(session):
+        for command in ("ls", "echo hi > a.txt", "cat a.txt"):
+            await session.run(command)
+
+    start = time.monotonic()
+    episode(setup, body)
+    with capsys.disabled():
+        print(f"\n[{setup[0]}] one episode (start + 3 commands + close): {time.monotonic() - start:.3f} s")
+
+
+@NO_BWRAP
+def test_bwrap_dockerfile_subset_and_its_limits(tmp_path):
+    backend = make_backend("bwrap", tmp_path / "cache")
+    env = environment(tmp_path / "env", "FROM whatever:latest\n# a comment\nENV A=1 B=\"two words\"\nENV C $A-x\n"
+                      "WORKDIR /project\nCOPY src/ lib/\nCOPY one.txt renamed.txt\nCOPY [\"one.txt\", \"two/\"]\n"
+                      "RUN echo \"$B\" > b.txt && \\\n    ls -R > tree.txt\nCMD [\"bash\"]\n", **{"one.txt": "1\n"})
+    (env / "src").mkdir()
+    (env / "src" / "mod.py").write_text("x = 1\n")
+    prepared = backend.prepare(env)
+    assert prepared.workdir == "/project" and prepared.env == {"A": "1", "B": "two words", "C": "1-x"}
+    layer = prepared.layer
+    assert (layer / "lib" / "mod.py").read_text() == "x = 1\n" and (layer / "renamed.txt").read_text() == "1\n"
+    assert (layer / "two" / "one.txt").exists() and (layer / "b.txt").read_text() == "two words\n"
+    (tmp_path / "secret").write_text("outside the context")
+    for bad, why in [("WORKDIR /usr/src/app", "read-only /usr"), ("COPY ../secret .", "not a file or folder of"),
+                     ("COPY one.txt /elsewhere/", "in the work dir /app"), ("ADD https://x.org/a.tgz .", "URL")]:
+        with pytest.raises(PrepareError, match=rf"Dockerfile:2: .*{why}"):
+            backend.prepare(environment(tmp_path / uuid.uuid4().hex, f"FROM x\n{bad}\n", **{"one.txt": "1\n"}))
+
+    async def puts():
+        session = await backend.start(prepared, 60)
+        try:
+            for dest, error in [("/project/sub", ValueError), ("/", ValueError), ("/usr/molt-x", PrepareError)]:
+                with pytest.raises(error):
+                    await session.put(env / "src", dest)
+        finally:
+            await session.close()
+    asyncio.run(puts())
