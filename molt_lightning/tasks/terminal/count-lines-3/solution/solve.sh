@@ -1,0 +1,2 @@
+#!/bin/bash
+wc -l < log.txt > count.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+grep apple data.txt > answer.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+grep river data.txt > answer.txt

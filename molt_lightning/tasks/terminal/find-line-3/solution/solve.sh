@@ -1,0 +1,2 @@
+#!/bin/bash
+grep piano data.txt > answer.txt

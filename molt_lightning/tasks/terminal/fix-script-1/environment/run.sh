@@ -1,0 +1,1 @@
+ehco hello > out.txt

@@ -1,0 +1,1 @@
+sotr names.txt > out.txt

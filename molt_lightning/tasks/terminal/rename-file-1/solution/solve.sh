@@ -1,0 +1,2 @@
+#!/bin/bash
+mv draft.txt final.txt

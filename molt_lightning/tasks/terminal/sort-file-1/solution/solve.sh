@@ -1,0 +1,2 @@
+#!/bin/bash
+sort names.txt > sorted.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+sort fruits.txt > sorted.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+printf 'alice\n' > name.txt

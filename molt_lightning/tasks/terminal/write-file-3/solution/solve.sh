@@ -1,0 +1,2 @@
+#!/bin/bash
+printf 'blue\n' > color.txt
