@@ -1,0 +1,90 @@
+"""A terminal agent for Harbor tasks (``tasks.harbor``): a shell sandbox per episode, the task's own tests as reward.
+
+Each turn the policy writes one shell command (``RUN ls -l``) or ends (``DONE``, or anything that is not a command);
+the command runs in the episode's sandbox (``agents.tools.shell``: a fresh copy of the task's environment, no
+network, limits per command and per episode) and its output and exit code come back as a tool turn, never trained on.
+When the agent is done, the task's ``tests/`` run in the same sandbox (``harbor.verify``) and their reward is the
+sample's. A verifier that hangs, crashes or writes no number fails the sample (counted by the rollout source, never a
+silent 0). Every command, its output and the verifier's output go to the sample's ``info`` (the run's sample log).
+
+The environment is prepared once per task (the backend caches it by content); an episode costs a start, its commands
+and a close. ``TerminalAgent(backend=BuildahBackend())`` runs the same tasks in buildah containers built from their
+Dockerfiles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from ..agents.client import AgentResult
+from ..agents.tools.shell import BubblewrapBackend, ShellBackend
+from .harbor import read_task, verify
+
+PREFIX = "RUN "
+EPISODE_S = 600.0  # an episode's limit when the task sets none (Harbor's [agent] timeout_sec has no default)
+
+
+class TerminalAgent:
+    def __init__(self, backend: ShellBackend | None = None, max_turns: int = 4, max_tokens: int = 48,
+                 output_chars: int = 300):
+        """``max_turns``: commands per episode; ``max_tokens``: each reply's budget; ``output_chars``: the tail of a
+        command's output the policy sees (the sample log keeps up to the backend's ``max_output``)."""
+        if max_turns < 1 or max_tokens < 1 or output_chars < 0:
+            raise ValueError(f"TerminalAgent: max_turns and max_tokens must be >= 1 and output_chars >= 0, got "
+                             f"{max_turns}, {max_tokens}, {output_chars}")
+        self.backend = backend or BubblewrapBackend()
+        self.max_turns, self.max_tokens, self.output_chars = max_turns, max_tokens, output_chars
+        self._prepared: dict[str, asyncio.Future] = {}  # task folder -> its prepared environment (once per task)
+
+    async def _prepare(self, task):
+        key = str(task.environment)
+        if key not in self._prepared:
+            self._prepared[key] = asyncio.ensure_future(asyncio.to_thread(self.backend.prepare, task.environment))
+        try:
+            return await asyncio.shield(self._prepared[key])
+        except Exception:
+            self._prepared.pop(key, None)  # a failed build is tried again by the next episode of the task
+            raise
+
+    async def __call__(self, client, sample: dict[str, Any]) -> AgentResult:
+        task = read_task(sample["task_dir"])
+        session = await self.backend.start(await self._prepare(task), task.agent_timeout_s or EPISODE_S)
+        try:
+            messages = [{"role": "user", "content": task.instruction}]
+            for _ in range(self.max_turns):
+                reply = await client.chat(messages, max_tokens=self.max_tokens)
+                messages.append({"role": "assistant", "content": reply})
+                if not reply.startswith(PREFIX):
+                    break
+                result = await session.run(reply[len(PREFIX):])
+                messages.append({"role": "tool", "content": observation(result, self.output_chars)})
+            typed = len(session.commands)
+            # the verifier gets its own time, whatever the agent used of the episode's
+            session.deadline = max(session.deadline, time.monotonic() + task.verifier_timeout_s + 5)
+            verdict = await verify(session, task)
+        finally:
+            await session.close()
+        return AgentResult(verdict.reward, {"task": task.name, "commands": session.commands[:typed], "verifier": {
+            "how": verdict.how, "exit_code": verdict.exit_code, "seconds": verdict.seconds,
+            "output": verdict.output[-2000:], "commands": [c["command"] for c in session.commands[typed:]]}})
+
+
+def observation(result, chars: int) -> str:
+    """What the policy reads after a command: the tail of its output and how it ended."""
+    end = "timed out" if result.timed_out else f"exit {result.exit_code}"
+    output = result.output[-chars:] if chars else ""
+    return f"{output}\n[{end}]" if output else f"[{end}]"
+
+
+def demonstration(task, output: str = "") -> list[dict[str, str]]:
+    """A warm-start dialogue from a task's reference solution (``solution/solve.sh``): each command as a turn, its
+    output (``output``, the same for every command: these solutions print nothing) and ``DONE``."""
+    from .harbor import solution_commands
+
+    messages = [{"role": "user", "content": task.instruction}]
+    for command in solution_commands(task):
+        messages += [{"role": "assistant", "content": PREFIX + command},
+                     {"role": "tool", "content": f"{output}\n[exit 0]" if output else "[exit 0]"}]
+    return messages + [{"role": "assistant", "content": "DONE"}]
