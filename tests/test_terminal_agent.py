@@ -12,7 +12,7 @@ import pytest
 
 from molt_lightning.agents.tools.shell import BubblewrapBackend
 from molt_lightning.tasks.harbor import EXAMPLES, VerifierFailed, harbor_tasks, sample_of, solution_commands
-from molt_lightning.tasks.terminal_agent import TerminalAgent, demonstration, observation
+from molt_lightning.tasks.terminal_agent import TerminalAgent, observation, solution_dialogue
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 
@@ -86,13 +86,33 @@ def test_observations_and_demonstrations():
     assert observation(ShellResult("a\nb", 0, False, 0.1), 2) == "\nb\n[exit 0]"
     assert observation(ShellResult("", None, True, 30.0), 300) == "[timed out]"
     [task] = harbor_tasks(EXAMPLES / "find-line-1")
-    assert demonstration(task) == [
+    assert solution_dialogue(task) == [
         {"role": "user", "content": task.instruction},
         {"role": "assistant", "content": "RUN grep apple data.txt > answer.txt"},
         {"role": "tool", "content": "[exit 0]"},
         {"role": "assistant", "content": "DONE"}]
     with pytest.raises(ValueError, match="max_turns and max_tokens must be >= 1"):
         TerminalAgent(max_turns=0)
+
+
+def test_warm_start_instances_copy_their_names_from_the_instruction():
+    """Each demonstration's command takes its file names and words from its instruction (random letters: a policy
+    learns to copy them), the held-out tasks' instructions are never drawn, and every family appears."""
+    import random
+    import re
+
+    from molt_lightning.tasks.terminal_agent import demonstration, heldout_instructions
+
+    rng, firsts = random.Random(0), set()
+    for _ in range(300):
+        user, command, tool, done = demonstration(rng)
+        assert command["content"].startswith("RUN ") and tool["content"] == "[exit 0]" and done["content"] == "DONE"
+        assert user["content"] not in heldout_instructions()
+        names = re.findall(r"[a-z]+\.(?:txt|md|log)|'([a-z]+)\\n'", command["content"])
+        for name in [n for group in names for n in (group if isinstance(group, tuple) else (group,)) if n]:
+            assert name in user["content"], (name, user["content"])
+        firsts.add(command["content"].split()[1])
+    assert firsts == {"printf", "grep", "wc", "sed", "mv", "sort"}
 
 
 @pytest.mark.slow

@@ -67,9 +67,10 @@ ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3_moe": ("Qwen3MoeCo
 
 def _task(spec: dict):
     """The task module whose ``demonstration`` dialogues the policy is warm-started on."""
-    from ..tasks import arithmetic, python_tool
+    from ..tasks import arithmetic, python_tool, terminal_agent
 
-    return {"arithmetic": arithmetic, "python_tool": python_tool}[spec.get("task", "arithmetic")]
+    return {"arithmetic": arithmetic, "python_tool": python_tool, "terminal": terminal_agent}[spec.get("task",
+                                                                                                      "arithmetic")]
 
 
 PREBUILT = Path(__file__).parent / "prebuilt"
@@ -111,10 +112,10 @@ def moe_policy() -> str:
     return arithmetic_policy(MOE_SPEC)
 
 
-def base_policy(seed: int = 0) -> str:
-    """The shipped arithmetic policy's tokenizer and config with freshly initialized weights (``seed``), cached: what
-    ``molt sft`` (``recipes/sft_tiny.yaml``) warm-starts from scratch."""
-    warm = Path(arithmetic_policy())
+def base_policy(seed: int = 0, like: str = "arithmetic") -> str:
+    """The shipped ``like`` policy's tokenizer and config (``SPECS``) with freshly initialized weights (``seed``),
+    cached: what ``molt sft`` (``recipes/sft_tiny.yaml``) warm-starts from scratch."""
+    warm = Path(arithmetic_policy(SPECS[like]))
 
     def make(out: Path) -> None:
         import torch
@@ -128,6 +129,17 @@ def base_policy(seed: int = 0) -> str:
         (out / "molt_spec.json").write_text(json.dumps({"random_init_of": warm.name, "seed": seed}, indent=1))
 
     return cached_folder(f"{warm.name}-random-init-{seed}", make)
+
+
+def terminal_base_policy() -> str:
+    """``base_policy`` with the python-tool policy's tokenizer and its 512-token context (a shell episode with its
+    outputs outgrows the arithmetic policy's 256): what ``recipes/sft_terminal.yaml`` warm-starts."""
+    return base_policy(0, "python_tool")
+
+
+def terminal_demonstrations() -> str:
+    """25,600 solved instances of the example terminal tasks' families (``tasks.terminal_agent.demonstration``)."""
+    return demonstrations(task="terminal")
 
 
 def demonstrations(path: str | None = None, n: int = 25600, p_tool: float = 1.0, seed: int = 1,

@@ -15,6 +15,7 @@ Dockerfiles.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Any
 
@@ -78,13 +79,68 @@ def observation(result, chars: int) -> str:
     return f"{output}\n[{end}]" if output else f"[{end}]"
 
 
-def demonstration(task, output: str = "") -> list[dict[str, str]]:
-    """A warm-start dialogue from a task's reference solution (``solution/solve.sh``): each command as a turn, its
-    output (``output``, the same for every command: these solutions print nothing) and ``DONE``."""
+def solution_dialogue(task) -> list[dict[str, str]]:
+    """A task's reference solution (``solution/solve.sh``) as the dialogue the agent would have: each command a turn
+    (these solutions print nothing: ``[exit 0]``), then ``DONE``."""
     from .harbor import solution_commands
 
-    messages = [{"role": "user", "content": task.instruction}]
-    for command in solution_commands(task):
-        messages += [{"role": "assistant", "content": PREFIX + command},
-                     {"role": "tool", "content": f"{output}\n[exit 0]" if output else "[exit 0]"}]
+    return dialogue(task.instruction, solution_commands(task))
+
+
+def dialogue(instruction: str, commands: list[str]) -> list[dict[str, str]]:
+    messages = [{"role": "user", "content": instruction}]
+    for command in commands:
+        messages += [{"role": "assistant", "content": PREFIX + command}, {"role": "tool", "content": "[exit 0]"}]
     return messages + [{"role": "assistant", "content": "DONE"}]
+
+
+# Warm-start data: new instances of the example tasks' families (their wording, tasks/terminal/make_tasks.py), with
+# names and words of random letters: a policy can only solve them by copying from the instruction, not by recalling a
+# list of names (with a fixed list of 25 words the tiny policy typed names from the list instead; with words of 3-7
+# letters it garbled the 8-letter greeting.txt). The held-out tasks are other instances.
+EXTENSIONS = (".txt", ".md", ".log")
+
+
+def word(rng) -> str:
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 10)))
+
+
+def instance(rng) -> tuple[str, str]:
+    """One (instruction, command) of a random family, with random names and words."""
+    name = lambda: word(rng) + rng.choice(EXTENSIONS)  # noqa: E731
+    family, text = rng.choice(("write", "find", "count", "fix", "rename", "sort")), word(rng)
+    if family == "write":
+        file = name()
+        return f"Create a file named {file} that contains the text {text}.", f"printf '{text}\\n' > {file}"
+    if family == "find":
+        return (f"Find the line of data.txt that contains the word {text} and write that line to answer.txt.",
+                f"grep {text} data.txt > answer.txt")
+    if family == "count":
+        file = name()
+        return f"Write the number of lines in {file} to a file named count.txt.", f"wc -l < {file} > count.txt"
+    if family == "fix":
+        typo, command, what = rng.choice((("ehco", "echo", f"writes {text} to out.txt"),
+                                          ("sotr", "sort", f"writes the sorted lines of {name()} to out.txt")))
+        return (f"The script run.sh fails because a command name in it has a typo. Fix run.sh so that bash run.sh "
+                f"{what}.", f"sed -i 's/{typo}/{command}/' run.sh")
+    if family == "rename":
+        old, new = name(), name()
+        return f"Rename the file {old} to {new}.", f"mv {old} {new}"
+    file = name()
+    return f"Sort the lines of {file} alphabetically and write them to sorted.txt.", f"sort {file} > sorted.txt"
+
+
+@functools.cache
+def heldout_instructions() -> frozenset[str]:
+    from .harbor import EXAMPLES, HarborTasks
+
+    return frozenset(s["instruction"] for s in HarborTasks(EXAMPLES, split="heldout").samples)
+
+
+def demonstration(rng, p_tool: float = 1.0) -> list[dict[str, str]]:
+    """A warm-start dialogue (``models.tiny.demonstrations(task="terminal")``): a random instance solved; an instance
+    that is one of the held-out example tasks is drawn again. ``p_tool`` is unused (every instance needs the shell)."""
+    while True:
+        instruction, command = instance(rng)
+        if instruction not in heldout_instructions():
+            return dialogue(instruction, [command])
