@@ -122,3 +122,23 @@ def test_the_terminal_recipe_runs_two_steps(tmp_path):
     out, _, config, df = fit_recipe("terminal", tmp_path)
     assert "TerminalAgent" in config and "HarborTasks" in config
     assert df["samples/failed_total"].dropna().iloc[-1] == 0  # every episode sandboxed and verified
+
+
+@pytest.mark.slow
+def test_the_terminal_warm_start_recipe_trains_and_writes_a_policy_the_agent_can_use(tmp_path):
+    """``molt sft --config recipes/sft_terminal.yaml`` for 2 steps writes a policy folder with the 512-token context
+    the episodes need; its demonstrations render within it."""
+    import json
+
+    from test_cli import run
+    from transformers import AutoConfig
+
+    out = run("-m", "molt_lightning.commands.cli", "sft", "--config", "recipes/sft_terminal.yaml",
+              "--trainer.max_steps", "2", "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path),
+              "--model.out", str(tmp_path / "policy"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert AutoConfig.from_pretrained(tmp_path / "policy").max_position_embeddings == 512
+    from molt_lightning.models.tiny import terminal_demonstrations
+
+    rows = [json.loads(line) for line, _ in zip(open(terminal_demonstrations()), range(100))]
+    assert all(r["messages"][1]["content"].startswith("RUN ") for r in rows)
