@@ -67,10 +67,11 @@ ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3_moe": ("Qwen3MoeCo
 
 def _task(spec: dict):
     """The task module whose ``demonstration`` dialogues the policy is warm-started on."""
-    from ..tasks import arithmetic, python_tool, terminal_agent
+    import importlib
 
-    return {"arithmetic": arithmetic, "python_tool": python_tool, "terminal": terminal_agent}[spec.get("task",
-                                                                                                      "arithmetic")]
+    # by name, imported on demand: a run of one task loads (and `molt fit`'s import closure holds) no other task's code
+    modules = {"arithmetic": "arithmetic", "python_tool": "python_tool", "terminal": "terminal_agent"}
+    return importlib.import_module(f"{__package__.rsplit('.', 1)[0]}.tasks.{modules[spec.get('task', 'arithmetic')]}")
 
 
 PREBUILT = Path(__file__).parent / "prebuilt"
