@@ -255,3 +255,25 @@ def test_a_hung_trainer_node_stops_the_run_within_the_strategy_timeout(tmp_path)
     text = log.read_text()
     assert nodes[0].returncode != 0 and "lost contact with" in text, text[-4000:]
     assert 20 <= stopped_after < STOPS_WITHIN_S, stopped_after
+
+
+def test_a_lost_peer_is_named_and_other_errors_are_not(tmp_path, monkeypatch):
+    """``lost_peer``: the backend's words for a gone peer (gloo's, without its boilerplate) with this rank and node;
+    other errors, and any error outside a process group, are left alone."""
+    import torch.distributed as dist
+
+    from molt_lightning.trainer.parallel import lost_peer
+
+    gone = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.7]:41234. This is "
+                        "typically caused by a remote worker crashing. GLHF!")
+    assert lost_peer(gone) is None  # no process group
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "4")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        why = lost_peer(gone)
+        assert why.startswith("trainer rank 0 of 1 (node 1 of 4) lost contact with another rank: Connection closed by "
+                              "peer [10.0.0.7]:41234. A trainer process") and "--ckpt_path last" in why
+        assert "GLHF" not in why and lost_peer(RuntimeError("CUDA out of memory")) is None
+    finally:
+        dist.destroy_process_group()
