@@ -94,10 +94,30 @@ def dialogue(instruction: str, commands: list[str]) -> list[dict[str, str]]:
     return messages + [{"role": "assistant", "content": "DONE"}]
 
 
-# Warm-start data: new instances of the example tasks' families (their wording, tasks/terminal/make_tasks.py), with
-# names and words of random letters: a policy can only solve them by copying from the instruction, not by recalling a
-# list of names (with a fixed list of 25 words the tiny policy typed names from the list instead; with words of 3-7
-# letters it garbled the 8-letter greeting.txt). The held-out tasks are other instances.
+# The six families' wording and command, one table: tasks/terminal/make_tasks.py writes the example tasks from it and
+# instance() draws new ones (a demonstration must never match a held-out task's instruction).
+FAMILIES = {
+    "write-file": ("Create a file named {file} that contains the text {text}.", "printf '{text}\\n' > {file}"),
+    "find-line": ("Find the line of data.txt that contains the word {text} and write that line to answer.txt.",
+                  "grep {text} data.txt > answer.txt"),
+    "count-lines": ("Write the number of lines in {file} to a file named count.txt.", "wc -l < {file} > count.txt"),
+    "fix-script": ("The script run.sh fails because a command name in it has a typo. Fix run.sh so that bash run.sh "
+                   "{what}.", "sed -i 's/{typo}/{command}/' run.sh"),
+    "rename-file": ("Rename the file {old} to {new}.", "mv {old} {new}"),
+    "sort-file": ("Sort the lines of {file} alphabetically and write them to sorted.txt.", "sort {file} > sorted.txt"),
+}
+
+
+def fill(family: str, **names: str) -> tuple[str, str]:
+    """A family's (instruction, command) with its names filled in."""
+    instruction, command = FAMILIES[family]
+    return instruction.format(**names), command.format(**names)
+
+
+# Warm-start data: new instances of the example tasks' families, with names and words of random letters: a policy can
+# only solve them by copying from the instruction, not by recalling a list of names (with a fixed list of 25 words the
+# tiny policy typed names from the list instead; with words of 3-7 letters it garbled the 8-letter greeting.txt). The
+# held-out tasks are other instances.
 EXTENSIONS = (".txt", ".md", ".log")
 
 
@@ -108,26 +128,16 @@ def word(rng) -> str:
 def instance(rng) -> tuple[str, str]:
     """One (instruction, command) of a random family, with random names and words."""
     name = lambda: word(rng) + rng.choice(EXTENSIONS)  # noqa: E731
-    family, text = rng.choice(("write", "find", "count", "fix", "rename", "sort")), word(rng)
-    if family == "write":
-        file = name()
-        return f"Create a file named {file} that contains the text {text}.", f"printf '{text}\\n' > {file}"
-    if family == "find":
-        return (f"Find the line of data.txt that contains the word {text} and write that line to answer.txt.",
-                f"grep {text} data.txt > answer.txt")
-    if family == "count":
-        file = name()
-        return f"Write the number of lines in {file} to a file named count.txt.", f"wc -l < {file} > count.txt"
-    if family == "fix":
+    family, text = rng.choice(tuple(FAMILIES)), word(rng)
+    if family == "fix-script":
         typo, command, what = rng.choice((("ehco", "echo", f"writes {text} to out.txt"),
                                           ("sotr", "sort", f"writes the sorted lines of {name()} to out.txt")))
-        return (f"The script run.sh fails because a command name in it has a typo. Fix run.sh so that bash run.sh "
-                f"{what}.", f"sed -i 's/{typo}/{command}/' run.sh")
-    if family == "rename":
-        old, new = name(), name()
-        return f"Rename the file {old} to {new}.", f"mv {old} {new}"
-    file = name()
-    return f"Sort the lines of {file} alphabetically and write them to sorted.txt.", f"sort {file} > sorted.txt"
+        return fill(family, typo=typo, command=command, what=what)
+    if family == "rename-file":
+        return fill(family, old=name(), new=name())
+    if family == "find-line":
+        return fill(family, text=text)
+    return fill(family, text=text, file=name())
 
 
 @functools.cache

@@ -4,10 +4,12 @@ variants, so that the held-out tasks are new instances of families seen in train
     python molt_lightning/tasks/terminal/make_tasks.py      # rewrites every task folder here
 
 Families: write-file (``printf``), find-line (``grep``), count-lines (``wc -l``), fix-script (a typo'd command name,
-``sed -i``), rename-file (``mv``), sort-file (``sort``). Each task: ``instruction.md`` (one sentence), ``task.toml``
-(agent 60 s, verifier 30 s, no network; ``[metadata] family`` and ``split``), ``environment/Dockerfile`` (the local
-Debian base, ``WORKDIR /app``, a ``COPY`` per input file), ``tests/test.sh`` (bash and coreutils only; writes 1 or 0 to
-``/logs/verifier/reward.txt``) and ``solution/solve.sh`` (the one command that solves it, run in ``/app``).
+``sed -i``), rename-file (``mv``), sort-file (``sort``); their wording and commands are
+``tasks.terminal_agent.FAMILIES``, which the agent's warm-start data draws from too. Each task: ``instruction.md`` (one
+sentence), ``task.toml`` (agent 60 s, verifier 30 s, no network; ``[metadata] family`` and ``split``),
+``environment/Dockerfile`` (the local Debian base, ``WORKDIR /app``, a ``COPY`` per input file), ``tests/test.sh`` (bash
+and coreutils only; writes 1 or 0 to ``/logs/verifier/reward.txt``) and ``solution/solve.sh`` (the one command that
+solves it, run in ``/app``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
+
+from molt_lightning.tasks.terminal_agent import fill
 
 HERE = Path(__file__).resolve().parent
 BASE = "localhost/debian:bookworm-minbase"
@@ -29,46 +33,42 @@ def variants() -> list[dict]:
     """Every task: family, number, split, instruction, input files, check (a bash condition), solution, expected."""
     out = []
 
-    def task(family, n, split, instruction, check, solve, files=None, expected=None, description=""):
+    def task(family, n, split, instruction, solve, check, files=None, expected=None, description=""):
         out.append(dict(family=family, n=n, split=split, instruction=instruction, check=check, solve=solve,
                         files=files or {}, expected=expected, description=description))
 
     for n, name, text, split in ((1, "greeting.txt", "hello", "train"), (2, "name.txt", "alice", "train"),
                                  (3, "color.txt", "blue", "heldout")):
-        task("write-file", n, split, f"Create a file named {name} that contains the text {text}.",
-             f'[ "$(cat /app/{name})" = "{text}" ]', f"printf '{text}\\n' > {name}",
-             description="Create a file with given content.")
+        task("write-file", n, split, *fill("write-file", file=name, text=text),
+             check=f'[ "$(cat /app/{name})" = "{text}" ]', description="Create a file with given content.")
     for n, (word, lines) in LINES.items():
         answer = next(line for line in lines if word in line.split())
-        task("find-line", n, "heldout" if n == 3 else "train",
-             f"Find the line of data.txt that contains the word {word} and write that line to answer.txt.",
-             f'[ "$(cat /app/answer.txt)" = "{answer}" ]', f"grep {word} data.txt > answer.txt",
-             files={"data.txt": lines}, description="Copy the line holding a word into a file.")
+        task("find-line", n, "heldout" if n == 3 else "train", *fill("find-line", text=word),
+             check=f'[ "$(cat /app/answer.txt)" = "{answer}" ]', files={"data.txt": lines},
+             description="Copy the line holding a word into a file.")
     for n, name, count, split in ((1, "data.txt", 3, "train"), (2, "list.txt", 5, "train"),
                                   (3, "log.txt", 7, "heldout")):
-        task("count-lines", n, split, f"Write the number of lines in {name} to a file named count.txt.",
-             f"[ \"$(tr -d ' \\n' < /app/count.txt)\" = \"{count}\" ]", f"wc -l < {name} > count.txt",
+        task("count-lines", n, split, *fill("count-lines", file=name),
+             check=f"[ \"$(tr -d ' \\n' < /app/count.txt)\" = \"{count}\" ]",
              files={name: [f"line {i}" for i in range(1, count + 1)]}, description="Count the lines of a file.")
-    task("fix-script", 1, "train", "The script run.sh fails because a command name in it has a typo. Fix run.sh so "
-         "that bash run.sh writes hello to out.txt.", 'timeout 10 bash run.sh && [ "$(cat /app/out.txt)" = "hello" ]',
-         "sed -i 's/ehco/echo/' run.sh", files={"run.sh": ["ehco hello > out.txt"]},
-         description="Fix a typo'd command name in a script.")
-    task("fix-script", 2, "train", "The script run.sh fails because a command name in it has a typo. Fix run.sh so "
-         "that bash run.sh writes the sorted lines of names.txt to out.txt.",
-         'timeout 10 bash run.sh && [ "$(cat /app/out.txt)" = "$(cat /tests/expected.txt)" ]',
-         "sed -i 's/sotr/sort/' run.sh", files={"run.sh": ["sotr names.txt > out.txt"],
-                                                "names.txt": ["mia", "ben", "zoe", "ada"]},
+    task("fix-script", 1, "train", *fill("fix-script", typo="ehco", command="echo", what="writes hello to out.txt"),
+         check='timeout 10 bash run.sh && [ "$(cat /app/out.txt)" = "hello" ]',
+         files={"run.sh": ["ehco hello > out.txt"]}, description="Fix a typo'd command name in a script.")
+    task("fix-script", 2, "train",
+         *fill("fix-script", typo="sotr", command="sort", what="writes the sorted lines of names.txt to out.txt"),
+         check='timeout 10 bash run.sh && [ "$(cat /app/out.txt)" = "$(cat /tests/expected.txt)" ]',
+         files={"run.sh": ["sotr names.txt > out.txt"], "names.txt": ["mia", "ben", "zoe", "ada"]},
          expected=["ada", "ben", "mia", "zoe"], description="Fix a typo'd command name in a script.")
     for n, old, new, text, split in ((1, "draft.txt", "final.txt", "version one", "train"),
                                      (2, "notes.md", "notes.txt", "buy milk", "heldout")):
-        task("rename-file", n, split, f"Rename the file {old} to {new}.",
-             f'[ ! -e /app/{old} ] && [ "$(cat /app/{new})" = "{text}" ]', f"mv {old} {new}",
-             files={old: [text]}, description="Rename a file.")
+        task("rename-file", n, split, *fill("rename-file", old=old, new=new),
+             check=f'[ ! -e /app/{old} ] && [ "$(cat /app/{new})" = "{text}" ]', files={old: [text]},
+             description="Rename a file.")
     for n, name, lines in ((1, "names.txt", ["carol", "alice", "dave", "bob"]),
                            (2, "fruits.txt", ["pear", "fig", "plum", "apple", "kiwi"])):
-        task("sort-file", n, "train", f"Sort the lines of {name} alphabetically and write them to sorted.txt.",
-             '[ "$(cat /app/sorted.txt)" = "$(cat /tests/expected.txt)" ]', f"sort {name} > sorted.txt",
-             files={name: lines}, expected=sorted(lines), description="Sort the lines of a file.")
+        task("sort-file", n, "train", *fill("sort-file", file=name),
+             check='[ "$(cat /app/sorted.txt)" = "$(cat /tests/expected.txt)" ]', files={name: lines},
+             expected=sorted(lines), description="Sort the lines of a file.")
     return out
 
 
