@@ -154,11 +154,8 @@ class VLLMEngine(VLLMPhases):
         CPU engine runs pays ~2 s of one-off set-up (the tiny policy: 2.2 s, then 0.025 s; a one-token request
         without logprobs does not set it up), which would otherwise land in the run's first step (vLLM's own
         start-up warm-up is off in eager mode). The prefix cache is reset after it."""
-        from vllm import SamplingParams
-
-        params = SamplingParams(max_tokens=2, temperature=1.0, logprobs=0, detokenize=False)
-        async for _ in self.llm.generate({"type": "token", "prompt_token_ids": [0]}, params, request_id="molt-warm-up"):
-            pass
+        await self._request([0], {"max_tokens": 2, "temperature": 1.0, "logprobs": 0, "detokenize": False},
+                            "molt-warm-up")
         await self.llm.reset_prefix_cache()
 
     async def close(self) -> None:
@@ -172,25 +169,8 @@ class VLLMEngine(VLLMPhases):
         self.reaper.close()
 
     async def _generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        params = SamplingParams(
-            output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, not a cumulative copy per token
-            max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, logprobs=0,
-            detokenize=False, stop_token_ids=list(sampling.stop_token_ids), skip_special_tokens=False,
-            ignore_eos=sampling.ignore_eos, seed=self._request_seed(sampling),
-        )
-        final, request_id = None, f"molt-{next(self._ids)}"
-        prompt = {"type": "token", "prompt_token_ids": prompt_ids}  # rendered input: no tokenizer pass, no thread hop
-        served = self.adapters.acquire() if self.adapters is not None else None  # its adapter, for its whole life
-        try:
-            async for final in self.llm.generate(prompt, params, request_id=request_id,
-                                                 lora_request=served.request if served else None):
-                pass
-        finally:
-            if served is not None:
-                await self.adapters.release(served)
+        request_id = f"molt-{next(self._ids)}"
+        final, served = await self._request(prompt_ids, self._sample_params(sampling), request_id)
         out = final.outputs[0]
         ids = list(out.token_ids)
         logprobs = [float(pos[t].logprob) for pos, t in zip(out.logprobs, ids)]
@@ -212,20 +192,28 @@ class VLLMEngine(VLLMPhases):
         """The prompt logprobs of one request (``phases``: temperature 1.0 only). A LoRA policy's engine scores with
         the adapter new requests get, as ``_generate``. A scoring request reads no prefix cache (vLLM skips it for
         prompt logprobs): the whole sequence is computed."""
+        params = self._score_params(temperature)
+        final, _ = await self._request(token_ids, params, f"molt-score-{next(self._ids)}")
+        return self._scores(final.prompt_logprobs, token_ids, start)
+
+    async def _request(self, token_ids: list[int], params: dict, request_id: str) -> tuple:
+        """Run one request to its end: vLLM's final output (``FINAL_ONLY``: built once when it finishes, not a
+        cumulative copy per token) and the adapter it was served with (a LoRA policy: the one new requests get, held
+        for the request's whole life; else None)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **self._score_params(temperature))
-        prompt = {"type": "token", "prompt_token_ids": token_ids}
+        params = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **params)
+        prompt = {"type": "token", "prompt_token_ids": token_ids}  # rendered input: no tokenizer pass, no thread hop
         final, served = None, self.adapters.acquire() if self.adapters is not None else None
         try:
-            async for final in self.llm.generate(prompt, params, request_id=f"molt-score-{next(self._ids)}",
+            async for final in self.llm.generate(prompt, params, request_id=request_id,
                                                  lora_request=served.request if served else None):
                 pass
         finally:
             if served is not None:
                 await self.adapters.release(served)
-        return self._scores(final.prompt_logprobs, token_ids, start)
+        return final, served
 
     async def _routing(self, request_id: str, n: int) -> torch.Tensor:
         """The request's first ``n`` positions' routing, (n, layers, k); requests finishing together share one call

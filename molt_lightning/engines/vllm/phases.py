@@ -101,6 +101,13 @@ class VLLMPhases(RolloutEngine):
                      self.seed)
         return sampling.seed if self.request_seeds else None
 
+    def _sample_params(self, sampling) -> dict:
+        """The sampling parameters of a generate request, the same in process and over HTTP: token ids in and out
+        (no detokenizing), the sampled token's logprob only, the request's seed where the platform takes it."""
+        return {"max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "logprobs": 0, "stop_token_ids": list(sampling.stop_token_ids), "ignore_eos": sampling.ignore_eos,
+                "detokenize": False, "skip_special_tokens": False, "seed": self._request_seed(sampling)}
+
     # ----- scoring: vLLM's prompt logprobs, read the same way in process and over HTTP -----
     def _score_params(self, temperature: float) -> dict:
         """The sampling parameters of a scoring request: the prompt's own logprobs (``prompt_logprobs=0``: each

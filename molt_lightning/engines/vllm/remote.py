@@ -161,17 +161,7 @@ class RemoteVLLMEngine(VLLMPhases):
 
     # ----- generation -----
     async def _generate(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
-        await self.wait_healthy()
-        body = {
-            "request_id": f"molt-{next(self._ids)}", "token_ids": prompt_ids, "stream": False,
-            "sampling_params": {
-                "max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
-                "logprobs": 0,
-                "stop_token_ids": list(sampling.stop_token_ids), "ignore_eos": sampling.ignore_eos,
-                "detokenize": False, "skip_special_tokens": False, "seed": self._request_seed(sampling),
-            },
-        }
-        out = (await self._post("/inference/v1/generate", json=body, mark_down=True))["choices"][0]
+        out = (await self._request("molt", prompt_ids, self._sample_params(sampling)))["choices"][0]
         ids = list(out["token_ids"])
         if out["finish_reason"] not in ("stop", "length"):
             raise EngineUnavailable(f"the engine at {self.url} ended a request with {out['finish_reason']!r} "
@@ -189,11 +179,15 @@ class RemoteVLLMEngine(VLLMPhases):
         """The prompt logprobs of one request on the generate route (``phases``: temperature 1.0 only); the
         response's ``prompt_logprobs`` is vLLM's list, one ``{token id: {"logprob": ...}}`` per position."""
         params = self._score_params(temperature)
-        await self.wait_healthy()
-        body = {"request_id": f"molt-score-{next(self._ids)}", "token_ids": token_ids, "stream": False,
-                "sampling_params": params}
-        out = await self._post("/inference/v1/generate", json=body, mark_down=True)
+        out = await self._request("molt-score", token_ids, params)
         return self._scores(out.get("prompt_logprobs"), token_ids, start)
+
+    async def _request(self, kind: str, token_ids: list[int], params: dict) -> dict:
+        """One request on vLLM's token-in/token-out route, once the engine serves (a failure marks it down)."""
+        await self.wait_healthy()
+        body = {"request_id": f"{kind}-{next(self._ids)}", "token_ids": token_ids, "stream": False,
+                "sampling_params": params}
+        return await self._post("/inference/v1/generate", json=body, mark_down=True)
 
     # ----- the transport of the weight phases (``phases``), and the channels -----
     async def _open(self, timeout: float | None = None) -> None:
