@@ -1,6 +1,7 @@
 """The weight phases of a vLLM engine, written once over its transport: ``VLLMEngine`` (in process: ``AsyncLLM``) and
 ``RemoteVLLMEngine`` (a ``molt serve`` server over HTTP) each implement only the four calls that differ, ``_rpc``
-(a worker-extension method on every worker), ``_pause``, ``_reset_cache`` and ``_set_version``.
+(``MoltWorkerExtension.<method>(*args)`` on every worker: their answers), ``_pause``, ``_reset_cache`` (every KV block
+dropped, the running requests' too) and ``_set_version``.
 
 The sequence (``engines.base.update`` runs it, for one engine or every engine of a pool):
 - ``stage``: a bucket is copied into a shared-memory slab (``shm``; the remote engine's ``http`` and ``nccl``
@@ -56,21 +57,7 @@ class VLLMPhases(RolloutEngine):
         self.request_seeds = False  # a request may carry its own seed here (answered at open)
         self._said_unseeded = False
 
-    # ----- the transport: what each engine writes -----
-    async def _rpc(self, method: str, *args, timeout: float | None = None) -> list:
-        """Call ``MoltWorkerExtension.<method>(*args)`` on every worker; their answers."""
-        raise NotImplementedError
-
-    async def _pause(self) -> None:
-        raise NotImplementedError
-
-    async def _reset_cache(self) -> None:
-        """Drop every KV block, the running requests' too (they are recomputed under the new weights)."""
-        raise NotImplementedError
-
-    async def _set_version(self, version: int) -> None:
-        raise NotImplementedError
-
+    # ----- the transport: each engine writes _rpc, _pause, _reset_cache and _set_version (see the module) -----
     def _payload(self, bucket: Mapping[str, torch.Tensor]) -> Payload:
         return "shm", self.staging.write(bucket)
 
