@@ -19,6 +19,8 @@ into new tensors) and ``torch.multiprocessing`` (its own handle protocol, not a 
 
 from __future__ import annotations
 
+import contextlib
+import math
 import mmap
 import os
 import tempfile
@@ -87,7 +89,8 @@ class Staging:
     def forget(self) -> None:
         """Unlink every slab's name (the mappings stay): call once the reader has opened them."""
         for slab, _ in self._slabs.values():
-            _unlink(slab.path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(slab.path)
 
     def close(self) -> None:
         self.forget()
@@ -135,15 +138,4 @@ def _bytes(buf: mmap.mmap) -> torch.Tensor:
 
 
 def _view(base: torch.Tensor, dtype: torch.dtype, shape, offset: int) -> torch.Tensor:
-    n = 1
-    for d in shape:
-        n *= d
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
-    return base[offset:offset + nbytes].view(dtype).view(shape)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    return base[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
