@@ -9,6 +9,7 @@ operators read it to see requests arrive).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import secrets
@@ -130,12 +131,9 @@ class LocalServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the vLLM server on port {self.port} exited with {self.proc.returncode} while "
                                    f"starting; its log: {self.log_path}\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
             time.sleep(0.5)
         self.stop(signal.SIGABRT)  # its processes write their Python stacks to the log (PYTHONFAULTHANDLER) and exit
         raise TimeoutError(f"the vLLM server on port {self.port} did not answer /health within {timeout_s:.0f} s "
@@ -144,23 +142,17 @@ class LocalServer:
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the server's whole process group (the API server and vLLM's engine core)."""
         if self.proc is not None and self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> None:
         if self.proc is None:
             return
         self.kill(sig)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # the engine core too, if it outlived the API server
-        except ProcessLookupError:
-            pass
         self.proc.wait(10)
         self.proc = None
 
