@@ -42,6 +42,7 @@ import torch
 from ..policies import moe
 from ..policies.vision import ImageInputs
 from .base import Generation, RolloutEngine, Sampling, nucleus
+from .batched import Batched
 from .fingerprint import Print, fingerprint
 
 
@@ -59,8 +60,8 @@ class TorchEngine(RolloutEngine):
         self._pending: asyncio.Queue | None = None
         self._staged: dict[str, torch.Tensor] = {}
         self._scheduler: asyncio.Task | None = None
-        self._to_score: list = []  # (token ids, start, temperature, future) waiting for the next scoring forward
-        self._scorer: asyncio.Task | None = None
+        # (token ids, start, temperature) of the requests that arrive together: one scoring forward between decode steps
+        self._scoring = Batched(lambda requests: asyncio.to_thread(self._score_now, requests))
 
     async def open(self, model_path: str) -> None:
         from ..policies import load_lm
@@ -143,26 +144,7 @@ class TorchEngine(RolloutEngine):
 
     async def _score(self, token_ids: list[int], start: int, temperature: float) -> list[float]:
         """Requests that arrive together (a group's trajectories) are scored in one batched forward."""
-        done = asyncio.get_running_loop().create_future()
-        self._to_score.append((token_ids, start, temperature, done))
-        if self._scorer is None or self._scorer.done():
-            self._scorer = asyncio.create_task(self._score_waiting())
-        return await done
-
-    async def _score_waiting(self) -> None:
-        while self._to_score:
-            batch, self._to_score = self._to_score, []
-            try:
-                scores = await asyncio.to_thread(self._score_now, [r[:3] for r in batch])
-            except Exception as e:  # noqa: BLE001 (every request of the batch gets it)
-                scores = [e] * len(batch)
-            for (*_, done), out in zip(batch, scores):
-                if done.done():  # its caller gave up (a deadline)
-                    continue
-                if isinstance(out, Exception):
-                    done.set_exception(out)
-                else:
-                    done.set_result(out)
+        return await self._scoring((token_ids, start, temperature))
 
     @torch.no_grad()
     def _score_now(self, requests: list[tuple[list[int], int, float]]) -> list[list[float]]:

@@ -46,7 +46,6 @@ still says so is re-raised with its common causes.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 from collections.abc import Mapping
@@ -55,6 +54,7 @@ import torch
 
 from ...policies.lora import Adapter
 from ..base import Generation, Sampling
+from ..batched import Batched
 from ..fingerprint import Print
 from . import cpu
 from .lora import AdapterSlots, vllm_rank
@@ -99,8 +99,9 @@ class VLLMEngine(VLLMPhases):
         self._ids = itertools.count()
         self._staged_adapter: dict[str, torch.Tensor] = {}  # a LoRA policy's staged adapter tensors (peft names)
         self.adapters: AdapterSlots | None = None  # the LoRA adapters served, when self.adapter is set
-        self._wanted: list[tuple[str, int, asyncio.Future]] = []  # finished requests whose routing is to be taken
-        self._taker: asyncio.Task | None = None
+        # (request id, positions) of finished requests whose routing is to be taken: requests finishing together share
+        # one call to the worker (one call per request made the tiny MoE's step several times slower)
+        self._routing = Batched(self._take_routing)
 
     def launch(self, model_path: str, adapter: Adapter | None = None) -> None:
         if self._users == 0:  # on the caller's thread, before vLLM's engine process is spawned
@@ -185,7 +186,7 @@ class VLLMEngine(VLLMPhases):
         reason = {"stop": "stop", "length": "length"}.get(out.finish_reason, "abort")
         routing = None
         if self.captures_routing:  # the prompt's positions and the tokens' but the last (never forwarded)
-            routing = await self._routing(request_id, len(prompt_ids) + len(ids) - 1)
+            routing = await self._routing((request_id, len(prompt_ids) + len(ids) - 1))
         return Generation(ids, logprobs, versions, reason, routing)
 
     async def _score(self, token_ids: list[int], start: int, temperature: float) -> list[float]:
@@ -215,34 +216,20 @@ class VLLMEngine(VLLMPhases):
                 await self.adapters.release(served)
         return final, served
 
-    async def _routing(self, request_id: str, n: int) -> torch.Tensor:
-        """The request's first ``n`` positions' routing, (n, layers, k); requests finishing together share one call
-        to the worker (one call per request made the tiny MoE's step several times slower)."""
-        done = asyncio.get_running_loop().create_future()
-        self._wanted.append((request_id, n, done))
-        if self._taker is None or self._taker.done():
-            self._taker = asyncio.create_task(self._take_routing())
-        return await done
-
-    async def _take_routing(self) -> None:
+    async def _take_routing(self, wanted: list[tuple[str, int]]) -> list:
+        """Each request's first ``n`` positions' routing, (n, layers, k), or the error saying it is incomplete."""
         from ...policies import moe
 
-        while self._wanted:
-            wanted, self._wanted = self._wanted, []
-            try:
-                tables = (await self.llm.collective_rpc("molt_take_routing", args=(
-                    [r for r, _, _ in wanted], [n for _, n, _ in wanted])))[0]
-            except Exception as e:  # noqa: BLE001 (every waiting request gets it)
-                for _, _, done in wanted:
-                    done.set_exception(e)
-                continue
-            for (request_id, n, done), rows in zip(wanted, tables):
-                routing = torch.tensor(rows, dtype=moe.ROUTING_DTYPE)  # (n, layers, k)
-                if len(rows) != n or (routing[:, 0, 0] == moe.NO_RECORD).any():
-                    done.set_exception(RuntimeError(f"vLLM's routing capture missed positions of request "
-                                                    f"{request_id} (prefix caching on? see engines/vllm/worker.py)"))
-                else:
-                    done.set_result(routing)
+        tables = (await self.llm.collective_rpc("molt_take_routing", args=(
+            [r for r, _ in wanted], [n for _, n in wanted])))[0]
+        out = []
+        for (request_id, n), rows in zip(wanted, tables):
+            routing = torch.tensor(rows, dtype=moe.ROUTING_DTYPE)  # (n, layers, k)
+            complete = len(rows) == n and not (routing[:, 0, 0] == moe.NO_RECORD).any()
+            out.append(routing if complete else RuntimeError(f"vLLM's routing capture missed positions of request "
+                                                             f"{request_id} (prefix caching on? see "
+                                                             "engines/vllm/worker.py)"))
+        return out
 
     # ----- the transport of the weight phases (``phases``), and a LoRA policy's adapters -----
     async def _rpc(self, method: str, *args, timeout: float | None = None) -> list:
