@@ -46,7 +46,6 @@ still says so is re-raised with its common causes.
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Mapping
 
@@ -96,7 +95,6 @@ class VLLMEngine(VLLMPhases):
         self.load_ahead, self.direct_load = load_ahead, direct_load
         self.llm = None
         self.reaper = Reaper()  # vLLM's engine processes die with this one, even on SIGKILL
-        self._ids = itertools.count()
         self._staged_adapter: dict[str, torch.Tensor] = {}  # a LoRA policy's staged adapter tensors (peft names)
         self.adapters: AdapterSlots | None = None  # the LoRA adapters served, when self.adapter is set
         # (request id, positions) of finished requests whose routing is to be taken: requests finishing together share

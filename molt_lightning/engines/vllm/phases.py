@@ -30,6 +30,7 @@ not (``cpu.takes_request_seeds``), the engine says so once, and requests sample 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 from collections.abc import Mapping
@@ -56,6 +57,7 @@ class VLLMPhases(RolloutEngine):
         self._staged: list[Payload] = []
         self.request_seeds = False  # a request may carry its own seed here (answered at open)
         self._said_unseeded = False
+        self._ids = itertools.count()  # request ids: molt-<n>, molt-score-<n>
 
     # ----- the transport: each engine writes _rpc, _pause, _reset_cache and _set_version (see the module) -----
     def _payload(self, bucket: Mapping[str, torch.Tensor]) -> Payload:

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import itertools
 import json
 import logging
 import os
@@ -100,7 +99,6 @@ class RemoteVLLMEngine(VLLMPhases):
         self.server, self.seed = None, seed  # the LocalServer this engine started, if any
         self._http = None  # the aiohttp.ClientSession, while open
         self._nccl = None  # the NcclChannel, channel nccl
-        self._ids = itertools.count()
         self._current: list[Payload] = []  # the last update's buckets: a server that comes back gets them
         self._health: asyncio.Task | None = None
 
