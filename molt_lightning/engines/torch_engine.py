@@ -38,6 +38,7 @@ import threading
 from collections.abc import Mapping
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ..policies import moe
 from ..policies.vision import ImageInputs
@@ -189,11 +190,9 @@ class TorchEngine(RolloutEngine):
     def _run(self, requests: list[tuple[list[int], Sampling, ImageInputs | None]]) -> list[Generation]:
         B, L = len(requests), max(len(p) for p, *_ in requests)
         dev = self.device
-        ids = torch.full((B, L), self.pad_id, dtype=torch.long, device=dev)  # (B, L) left-padded
-        mask = torch.zeros(B, L, dtype=torch.long, device=dev)  # (B, L)
-        for i, (p, *_) in enumerate(requests):
-            ids[i, L - len(p):] = torch.tensor(p, device=dev)
-            mask[i, L - len(p):] = 1
+        prompts = [torch.tensor(p, dtype=torch.long, device=dev) for p, *_ in requests]
+        ids = pad_sequence(prompts, batch_first=True, padding_value=self.pad_id, padding_side="left")  # (B, L)
+        mask = pad_sequence([torch.ones_like(p) for p in prompts], batch_first=True, padding_side="left")  # (B, L)
         samplings = [s for _, s, _ in requests]
         temps = torch.tensor([s.temperature for s in samplings], device=dev)  # (B,)
         top_ps = [s.top_p for s in samplings]
