@@ -87,30 +87,23 @@ class MoltWorkerExtension:
             packed_ahead = cpu.load(self.model_runner.get_model(), tensors, prepacked)
             if packed_ahead is not None:
                 return {"tensors": len(tensors), "packed_ahead": packed_ahead, "via": "cpu.load"}
-        return {"tensors": self._molt_reload(tensors.items()), "packed_ahead": 0, "via": "reload_weights"}
+        self._molt_reload(tensors)
+        return {"tensors": len(tensors), "packed_ahead": 0, "via": "reload_weights"}
 
-    def _molt_reload(self, named) -> int:
-        """vLLM's ``reload_weights`` over (HF name, tensor) pairs (then, on the CPU platform, the repacks it misses)."""
+    def _molt_reload(self, tensors: dict) -> None:
+        """vLLM's ``reload_weights`` over the HF-named tensors (then, on the CPU platform, the repacks it misses)."""
         import logging
 
         from .names import checkpoint_names
 
         # "ParallelLMHead/RotaryEmbedding: Failed to load weights" is expected (tied head, no rotary weights): quiet it
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        count, experts = [0], [False]
-
-        def tensors():
-            for name, t in named:
-                count[0] += 1
-                experts[0] |= ".mlp.experts." in name
-                yield from checkpoint_names(name, t)
-
-        self.reload_weights(weights_iterator=tensors())
+        named = (pair for name, t in tensors.items() for pair in checkpoint_names(name, t))  # under vLLM's names
+        self.reload_weights(weights_iterator=named)
         if self._molt_cpu:
             from . import cpu
 
-            cpu.after_reload(self.model_runner.get_model(), experts[0])
-        return count[0]
+            cpu.after_reload(self.model_runner.get_model(), any(".mlp.experts." in name for name in tensors))
 
     def molt_vocab_size(self) -> int:
         """The size of the distribution the engine samples from (the remote engine's ``vocab_size``)."""
