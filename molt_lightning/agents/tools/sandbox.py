@@ -79,14 +79,7 @@ class PythonSandbox:
         self.wall_s, self.cpu_s, self.memory_mb = wall_s, cpu_s, memory_mb
         self.max_processes, self.max_output = max_processes, max_output
         self._root = os.geteuid() == 0
-        self._bwrap = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
-                       "--unshare-cgroup-try", "--hostname", "sandbox", "--die-with-parent", "--new-session",
-                       "--clearenv"]
-        if self._root:  # privileged bwrap leaves no capability but these (--cap-drop ALL would also stop its chdir)
-            self._bwrap += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-        else:
-            self._bwrap += ["--unshare-user", "--disable-userns"]
-        self._bwrap += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+        self._bwrap = [*_isolation(bwrap, self._root), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
         # the installs: e.g. the venv, and /root/.pyenv/versions/3.11.7 that its bin/python links to
         self._installs = {os.path.dirname(os.path.dirname(p)) for p in (self.python, os.path.realpath(self.python))}
         if self._root:
@@ -115,7 +108,7 @@ class PythonSandbox:
 
     def _workdir(self) -> tuple[str, int]:
         workdir = tempfile.mkdtemp(prefix="molt-sandbox-")
-        uid = random.randrange(*_UID_RANGE) if self._root else -1
+        uid = _uid(self._root)
         if self._root:
             os.chown(workdir, uid, uid)
         return workdir, uid
@@ -136,33 +129,18 @@ class PythonSandbox:
         """Run ``code`` as ``python main.py`` in a fresh sandbox; whatever the code does comes back as a result."""
         start = time.monotonic()
         workdir, uid = self._workdir()
-        proc, timed_out, capture = None, False, _Capture(4 * self.max_output)
+        capture = _Capture(4 * self.max_output)
         try:
             Path(workdir, "main.py").write_text(code, encoding="utf-8")
-            proc = await asyncio.create_subprocess_exec(
-                *self._argv(workdir, uid, [self.python, "main.py"]), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, start_new_session=True)
-            tasks = [asyncio.create_task(_feed(proc.stdin, stdin.encode())),
-                     asyncio.create_task(capture.pump(proc.stdout))]
-            try:
-                await asyncio.wait_for(proc.wait(), self.wall_s)
-            except asyncio.TimeoutError:
-                timed_out = True
-                _kill(proc)
-                await proc.wait()
-            _, pending = await asyncio.wait(tasks, timeout=2.0)  # the pipe closes once the namespace is gone
-            for task in pending:
-                task.cancel()
+            rc, timed_out = await _spawn(self._argv(workdir, uid, [self.python, "main.py"]), self.wall_s, capture,
+                                         stdin.encode())
         finally:
-            if proc is not None and proc.returncode is None:  # cancelled or failed: leave nothing running
-                _kill(proc)
-                await proc.wait()
             shutil.rmtree(workdir, ignore_errors=True)  # small; also safe while the loop is closing
         output = capture.text(self.max_output)
-        error = self._error(proc.returncode, timed_out, output)
+        error = self._error(rc, timed_out, output)
         return SandboxResult(ok=error is None, output=output, error=error, seconds=time.monotonic() - start)
 
-    def _error(self, rc: int, timed_out: bool, output: str) -> str | None:
+    def _error(self, rc: int | None, timed_out: bool, output: str) -> str | None:
         if timed_out:
             return f"timeout: killed after {self.wall_s:g} s wall clock"
         if rc == 0:
@@ -189,6 +167,22 @@ def python_tool_schema() -> dict:
         "parameters": {"type": "object", "required": ["code"], "properties": {
             "code": {"type": "string", "description": "The complete Python program to run."}}},
     }}
+
+
+def _isolation(bwrap: str, root: bool) -> list[str]:
+    """bwrap and the isolation flags of both sandboxes (this one and ``shell.BubblewrapBackend``): new ipc, pid, net,
+    uts and cgroup namespaces, a session of its own, a clear environment; as root (privileged bwrap) no capability
+    but the two the launcher needs to drop to its uid (--cap-drop ALL would also stop bwrap's chdir), else a user
+    namespace in which no other can be made."""
+    return [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+            "--hostname", "sandbox", "--die-with-parent", "--new-session", "--clearenv",
+            *(["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if root
+              else ["--unshare-user", "--disable-userns"])]
+
+
+def _uid(root: bool) -> int:
+    """The uid a run drops to: as root a fresh unprivileged one each time, else -1 (stay the user)."""
+    return random.randrange(*_UID_RANGE) if root else -1
 
 
 def _reexpose(paths: set[str]) -> list[str]:
@@ -240,6 +234,32 @@ class _Capture:
         n_head = max(limit - len(_TRUNCATED), 0) // 2
         n_tail = max(limit - len(_TRUNCATED) - n_head, 0)
         return head[:n_head] + _TRUNCATED + tail[len(tail) - n_tail:]
+
+
+async def _spawn(argv: list[str], timeout: float, capture: _Capture, stdin: bytes | None = None,
+                 procs: set | None = None) -> tuple[int | None, bool]:
+    """Run ``argv`` in a process group of its own, stdout and stderr merged into ``capture``, fed ``stdin`` (None: no
+    stdin), held in ``procs`` while it runs: (exit code, or None when killed at ``timeout``; timed out). Cancelled or
+    failed, it is killed too: nothing is left running."""
+    proc = await asyncio.create_subprocess_exec(*argv, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
+                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                start_new_session=True)
+    procs = set() if procs is None else procs
+    procs.add(proc)
+    tasks = [asyncio.create_task(capture.pump(proc.stdout))]
+    if stdin is not None:
+        tasks.append(asyncio.create_task(_feed(proc.stdin, stdin)))
+    try:
+        await asyncio.wait([asyncio.ensure_future(proc.wait())], timeout=timeout)
+    finally:
+        if timed_out := proc.returncode is None:  # the deadline, or cancelled: leave nothing running
+            _kill(proc)
+            await proc.wait()
+        procs.discard(proc)
+        _, pending = await asyncio.wait(tasks, timeout=2.0)  # the pipe closes once the namespace is gone
+        for task in pending:
+            task.cancel()
+    return (None if timed_out else proc.returncode), timed_out
 
 
 async def _feed(stream: asyncio.StreamWriter, data: bytes) -> None:

@@ -32,7 +32,6 @@ import hashlib
 import json
 import os
 import posixpath
-import random
 import re
 import shlex
 import shutil
@@ -45,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from .sandbox import _LAUNCHER, _TRUNCATED, _UID_RANGE, _Capture, _kill, _reexpose
+from .sandbox import _LAUNCHER, _TRUNCATED, _Capture, _isolation, _kill, _reexpose, _spawn, _uid
 
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _VERSION = "molt-shell-1"  # part of every cache key
@@ -97,8 +96,9 @@ class ShellSession:
         if left <= 0:
             result = ShellResult("[episode deadline passed: not run]", None, True, 0.0)
         else:
-            rc, timed_out = await self._spawn(self._argv(["/bin/bash", "-c", command]),
-                                              min(timeout_s or self.backend.command_timeout_s, left), capture)
+            rc, timed_out = await _spawn(self._argv(["/bin/bash", "-c", command]),
+                                         min(timeout_s or self.backend.command_timeout_s, left), capture,
+                                         procs=self._procs)
             result = ShellResult(_NOISE.sub("", _clip(capture, self.backend.max_output)), rc, timed_out,
                                  time.monotonic() - start)
         self.commands.append({"command": command, "output": result.output, "exit_code": result.exit_code,
@@ -108,7 +108,7 @@ class ShellSession:
     async def read(self, path: str) -> bytes | None:
         """The file at absolute ``path`` inside, read as the sandbox's user (links resolve inside), or None."""
         script, capture = '[ -f "$1" ] || exit 66; exec cat -- "$1"', _Capture(1 << 62)  # keeps it all
-        rc, _ = await self._spawn(self._argv(["/bin/bash", "-c", script, "_", path]), 600, capture)
+        rc, _ = await _spawn(self._argv(["/bin/bash", "-c", script, "_", path]), 600, capture, procs=self._procs)
         return bytes(capture.head) if rc == 0 else None
 
     async def close(self) -> None:
@@ -117,23 +117,6 @@ class ShellSession:
             self._closed, _ = True, [_kill(proc) for proc in self._procs]
             await asyncio.gather(*(proc.wait() for proc in list(self._procs)))
             await self._teardown()
-
-    async def _spawn(self, argv: list[str], timeout: float, capture: _Capture) -> tuple[int | None, bool]:
-        """Run ``argv`` in a process group of its own: (exit code, or None when killed at ``timeout``; timed out)."""
-        proc = await asyncio.create_subprocess_exec(*argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                    stderr=subprocess.STDOUT, start_new_session=True)
-        self._procs.add(proc)
-        pump = asyncio.create_task(capture.pump(proc.stdout))
-        try:
-            await asyncio.wait([asyncio.ensure_future(proc.wait())], timeout=timeout)
-        finally:
-            if timed_out := proc.returncode is None:  # the deadline, or cancelled: leave nothing running
-                _kill(proc)
-                await proc.wait()
-            self._procs.discard(proc)
-            if (await asyncio.wait([pump], timeout=2.0))[1]:  # the pipe closes once the namespace is gone
-                pump.cancel()
-        return (None if timed_out else proc.returncode), timed_out
 
 
 class BubblewrapBackend:
@@ -150,10 +133,7 @@ class BubblewrapBackend:
         self.limits = f"RLIMIT_AS={memory_mb << 20},RLIMIT_FSIZE={file_mb << 20},RLIMIT_CORE=0," \
                       f"RLIMIT_NPROC={max_processes}"
         self.python, self.root = os.path.realpath(sys.executable), os.geteuid() == 0  # the launcher's: -I -S, no venv
-        self.base = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-                     "--hostname", "sandbox", "--die-with-parent", "--new-session", "--clearenv",
-                     *(["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if self.root
-                       else ["--unshare-user", "--disable-userns"])]
+        self.base = _isolation(bwrap, self.root)
 
     def argv(self, mounts: dict[str, str], cwd: str, env: dict[str, str], uid: int, program: list[str]) -> list[str]:
         """bwrap's command line: the host's top-level entries read-only but those a mount replaces, ``mounts`` (inside
@@ -285,7 +265,7 @@ class BuildahBackend:
         session, capture = _BuildahSession(self, name, prepared.workdir, _uid(True), episode_timeout_s), _Capture(4096)
         setup = 'mkdir -p -- "$1" /logs/verifier /logs/agent && chown -R -- "$2" "$1" /logs'  # as root, for the user
         argv = session._argv(["/bin/bash", "-c", setup, "_", session.workdir, f"{session.uid}:{session.uid}"], False)
-        if (rc := (await session._spawn(argv, self.prepare_timeout_s, capture))[0]) != 0:
+        if (rc := (await _spawn(argv, self.prepare_timeout_s, capture, procs=session._procs))[0]) != 0:
             await session.close()
             raise RuntimeError(f"setting up {name} failed ({rc}): {capture.text(4096)}")
         return session
@@ -373,10 +353,6 @@ def _mount_point(inside: str, what: str) -> str:  # bwrap mounts in its root (ne
         raise PrepareError(f"{what}: {inside} would need a new folder in the host's read-only {top}: choose a new "
                            f"top-level folder (such as /app) or an existing one, or use BuildahBackend for this task")
     return inside
-
-
-def _uid(root: bool) -> int:  # as root, a fresh unprivileged uid each episode (and each prepare)
-    return random.randrange(*_UID_RANGE) if root else -1
 
 
 def _chown_tree(path: Path, uid: int) -> None:
