@@ -33,7 +33,7 @@ import json
 import uuid
 from typing import Any
 
-from .checks import RequestError, check_fields, check_max_tokens, check_tools, need, short, text_of
+from .checks import RequestError, check_fields, check_max_tokens, check_tools, need, refuse, short, text_of
 
 _FIELDS = {  # every field a request may hold, with its type; any other field is refused
     "model": "a string", "messages": "a list", "system": "any JSON value", "max_tokens": "an integer",
@@ -45,10 +45,6 @@ _FIELDS = {  # every field a request may hold, with its type; any other field is
     "inference_geo": "a string", "speed": "a string", "workspace_id": "a string", "user_profile_id": "a string"}
 _KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "request_too_large", 500: "api_error"}
-
-
-def _refuse(message: str, param: str, code: str = "unsupported_value") -> RequestError:
-    return RequestError(400, message, param, code)
 
 
 def _conversation(body: dict) -> list[dict]:
@@ -84,9 +80,9 @@ def _conversation(body: dict) -> list[dict]:
             elif kind == "tool_result" and m["role"] == "user":
                 out.append({"role": "tool", "content": text_of(b.get("content", ""), f"{at}.content", "text blocks")})
             else:
-                raise _refuse(f"{at}: a {short(kind)} block is not supported in a {m['role']} message "
-                              "(text, tool_use from the assistant, tool_result from the user)", at,
-                              "unsupported_content")
+                raise refuse(f"{at}: a {short(kind)} block is not supported in a {m['role']} message "
+                             "(text, tool_use from the assistant, tool_result from the user)", at,
+                             "unsupported_content")
         if m["role"] == "assistant":
             out.append({"role": "assistant", "content": "".join(texts), **({"tool_calls": calls} if calls else {})})
         elif texts or not any(isinstance(b, dict) and b.get("type") == "tool_result" for b in blocks):
@@ -101,9 +97,9 @@ def _function_tools(tools: Any) -> list | None:
     out = []
     for i, t in enumerate(tools):
         if isinstance(t, dict) and t.get("type") not in (None, "custom"):
-            raise _refuse(f"tools[{i}]: the server tool {short(t.get('type'))} runs on Anthropic's side and is not "
-                          "available here; define it as a client tool (name, description, input_schema) and run it "
-                          "in your agent", f"tools[{i}]", "unsupported_tool")
+            raise refuse(f"tools[{i}]: the server tool {short(t.get('type'))} runs on Anthropic's side and is not "
+                         "available here; define it as a client tool (name, description, input_schema) and run it "
+                         "in your agent", f"tools[{i}]", "unsupported_tool")
         if (not isinstance(t, dict) or not isinstance(t.get("input_schema"), dict)
                 or not isinstance(t.get("description", ""), str)):
             raise RequestError(400, f"tools[{i}] is malformed ({short(t)}): expected {{'name': str, 'description': "
@@ -123,22 +119,22 @@ def parse(body: dict, max_context: int, tools_ok: bool) -> tuple[list[dict], lis
                                 "change sampling or need Anthropic's servers (and ones this endpoint does not know) "
                                 "are refused")
     if body.get("top_k") is not None:
-        raise _refuse("top_k changes sampling and is not supported; omit it", "top_k")
+        raise refuse("top_k changes sampling and is not supported; omit it", "top_k")
     if body.get("stop_sequences"):
-        raise _refuse("stop_sequences would cut the policy's reply short of what it sampled; omit them",
-                      "stop_sequences")
+        raise refuse("stop_sequences would cut the policy's reply short of what it sampled; omit them",
+                     "stop_sequences")
     thinking = body.get("thinking")
     if thinking is not None and thinking.get("type") not in ("disabled", "adaptive"):
-        raise _refuse("extended thinking with a budget is not supported: the policy's reasoning is whatever its "
-                      "chat template renders; omit `thinking` (or use adaptive)", "thinking")
+        raise refuse("extended thinking with a budget is not supported: the policy's reasoning is whatever its "
+                     "chat template renders; omit `thinking` (or use adaptive)", "thinking")
     if (body.get("output_config") or {}).get("format"):
-        raise _refuse("output_config.format (structured outputs) needs constrained decoding, which would change "
-                      "what the policy samples; omit it", "output_config")
+        raise refuse("output_config.format (structured outputs) needs constrained decoding, which would change "
+                     "what the policy samples; omit it", "output_config")
     choice = body.get("tool_choice")
     kind = choice.get("type", "(no type)") if isinstance(choice, dict) else choice
     if kind not in (None, "auto", "none") or (isinstance(choice, dict) and kind is None):
-        raise _refuse(f"tool_choice {short(kind)} is not supported (forcing a tool needs constrained decoding); "
-                      "use auto or none", "tool_choice")
+        raise refuse(f"tool_choice {short(kind)} is not supported (forcing a tool needs constrained decoding); "
+                     "use auto or none", "tool_choice")
     tools = check_tools(_function_tools(body.get("tools")), kind, tools_ok)
     max_tokens = check_max_tokens(body.get("max_tokens"), "max_tokens", max_context)
     return _conversation(body), tools, max_tokens

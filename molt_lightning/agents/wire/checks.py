@@ -26,6 +26,11 @@ class RequestError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+def refuse(message: str, param: str, code: str = "unsupported_value") -> RequestError:
+    """A 400 for what the endpoint does not support (by default a value that would change sampling)."""
+    return RequestError(400, message, param, code)
+
+
 def short(value: Any, limit: int = 60) -> str:
     """``repr(value)``, cut to ``limit`` characters (error messages quote what they got, never all of it)."""
     try:
@@ -95,9 +100,8 @@ def check_sampling(body: dict, temperature: float, top_p: float = 1.0) -> None:
         # an int compares exactly (10**400 has no float); `not <=` refuses NaN too
         differs = value != run_value if isinstance(value, int) else not abs(value - run_value) <= 1e-6
         if differs:
-            raise RequestError(400, f"{name}={short(value)} differs from the run's {run_value}: the trainer computes "
-                                    f"logprobs under the run's sampling distribution; omit {name}", name,
-                               "unsupported_value")
+            raise refuse(f"{name}={short(value)} differs from the run's {run_value}: the trainer computes logprobs "
+                         f"under the run's sampling distribution; omit {name}", name)
 
 
 def check_max_tokens(value: Any, name: str, context: int) -> int | None:
@@ -115,8 +119,8 @@ def check_tools(tools: Any, choice: Any, tools_ok: bool) -> list | None:
     """OpenAI-style function tools, or None (none given, or ``tool_choice`` none); refused unless the policy can
     take them (``tools_ok``)."""
     if choice not in (None, "auto", "none"):
-        raise RequestError(400, f"tool_choice={short(choice)} is not supported (it needs constrained decoding); use "
-                                "'auto' or 'none'", "tool_choice", "unsupported_value")
+        raise refuse(f"tool_choice={short(choice)} is not supported (it needs constrained decoding); use 'auto' or "
+                     "'none'", "tool_choice")
     if tools is None or choice == "none":
         return None
     need(isinstance(tools, list), "tools", "a list of {'type': 'function', 'function': {...}}", tools)

@@ -14,7 +14,8 @@ import time
 import uuid
 from typing import Any
 
-from .checks import RequestError, check_fields, check_max_tokens, check_tools, lone_surrogate, need, short, text_of
+from .checks import (RequestError, check_fields, check_max_tokens, check_tools, lone_surrogate, need, refuse, short,
+                     text_of)
 
 _FIELDS = {  # every field a chat completion request may hold, with its type; any other field is refused
     "model": "a string", "messages": "a list", "tools": "a list", "tool_choice": "any JSON value",
@@ -36,13 +37,11 @@ def parse(body: dict, max_context: int, tools_ok: bool) -> tuple[list[dict], lis
                                 "that change sampling (and ones this endpoint does not know) are refused")
     for name in ("frequency_penalty", "presence_penalty"):
         if body.get(name):
-            raise RequestError(400, f"{name} changes sampling and is not supported; omit it", name, "unsupported_value")
+            raise refuse(f"{name} changes sampling and is not supported; omit it", name)
     if body.get("logprobs"):
-        raise RequestError(400, "logprobs are not returned here (the trainer keeps the engine's own); omit "
-                                "logprobs", "logprobs", "unsupported_value")
+        raise refuse("logprobs are not returned here (the trainer keeps the engine's own); omit logprobs", "logprobs")
     if body.get("n") not in (None, 1):
-        raise RequestError(400, "n must be 1: the run samples the group itself (model.group_size)", "n",
-                           "unsupported_value")
+        raise refuse("n must be 1: the run samples the group itself (model.group_size)", "n")
     max_tokens = check_max_tokens(body.get("max_tokens"), "max_tokens", max_context)  # None: the rest
     # the newer name wins
     max_tokens = check_max_tokens(body.get("max_completion_tokens"), "max_completion_tokens", max_context) or max_tokens
