@@ -298,12 +298,13 @@ def _harness_class():
                          else [message_to_wire(m) for m in prompt or []])
             args = argparse.Namespace(tool_interception_url=tool_interception_url or "", api_key=secret, bash=False,
                                       edit=False, search=False, serper_key="")
-            http = httpx.AsyncClient(verify=False, timeout=httpx.Timeout(None, connect=5.0))  # loopback: no TLS
-            tool_client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0)) if tool_interception_url \
-                else None
-            llm = openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, http_client=http)
+            timeout = httpx.Timeout(None, connect=5.0)
             try:
-                async with AsyncExitStack() as stack:
+                async with AsyncExitStack() as stack:  # the HTTP clients (loopback: no TLS), the tool servers' sessions
+                    http = await stack.enter_async_context(httpx.AsyncClient(verify=False, timeout=timeout))
+                    tool_client = (await stack.enter_async_context(httpx.AsyncClient(timeout=timeout))
+                                   if tool_interception_url else None)
+                    llm = openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, http_client=http)
                     tools, dispatch, servers = [], {}, {}
                     if mcp_urls:
                         config = {"mcpServers": {name: {"url": url, "timeout": self.config.tool_timeout}
@@ -315,10 +316,6 @@ def _harness_class():
             except SystemExit as e:  # the program's exit on a lost model connection (exit code 97)
                 return ProgramResult(exit_code=e.code if isinstance(e.code, int) else 1, stdout="",
                                      stderr=f"the chat program exited: {e.__context__!r}")
-            finally:
-                await http.aclose()
-                if tool_client is not None:
-                    await tool_client.aclose()
             return ProgramResult(exit_code=0, stdout="", stderr="")
 
     return ChatProgramHarness
