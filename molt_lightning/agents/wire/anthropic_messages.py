@@ -146,22 +146,18 @@ def error_body(err: RequestError) -> dict:
     return {"type": "error", "error": {"type": _KINDS.get(err.status, "api_error"), "message": message}}
 
 
-def respond(body: dict, message: dict, out, prompt_tokens: int):
-    from starlette.responses import JSONResponse, StreamingResponse
-
+def reply_body(body: dict, message: dict, out, prompt_tokens: int) -> dict:
+    """The turn's ``message`` (``events``: as Anthropic's event stream)."""
     content: list[dict] = [{"type": "text", "text": message["content"]}] if message.get("content") else []
     content += [{"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:20]}", "name": c["function"]["name"],
                  "input": c["function"]["arguments"]} for c in message.get("tool_calls", [])]
     stop = "tool_use" if message.get("tool_calls") else "max_tokens" if out.finish_reason == "length" else "end_turn"
-    reply = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
-             "model": body["model"], "content": content, "stop_reason": stop, "stop_sequence": None,
-             "usage": {"input_tokens": prompt_tokens, "output_tokens": len(out.token_ids)}}
-    if body.get("stream"):
-        return StreamingResponse(_events(reply), media_type="text/event-stream")
-    return JSONResponse(reply)
+    return {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
+            "model": body["model"], "content": content, "stop_reason": stop, "stop_sequence": None,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": len(out.token_ids)}}
 
 
-async def _events(reply: dict):
+async def events(reply: dict):
     """The reply as Anthropic's server-sent events: one delta per content block."""
     def event(name: str, data: dict) -> str:
         return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"

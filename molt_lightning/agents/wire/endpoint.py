@@ -44,7 +44,7 @@ import socket
 from functools import partial
 from typing import Any, Protocol
 
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 
 from ...config import check_host, imported
 from ...trajectory import ContextOverflow
@@ -202,7 +202,10 @@ class Endpoint:
             return JSONResponse(wire.error_body(err), status_code=err.status)
         if "unparsed" in message:
             session.note("unparsed_tool_calls", message["unparsed"], "unparsed_tool_calls")
-        return wire.respond(body, message, out, prompt_tokens=prompt_tokens)
+        reply = wire.reply_body(body, message, out, prompt_tokens)
+        if body.get("stream"):
+            return StreamingResponse(wire.events(reply), media_type="text/event-stream")
+        return JSONResponse(reply)
 
     async def _body(self, request) -> bytes:
         """The request body, refused with 413 past ``max_body`` bytes (by its Content-Length, or as it streams in).

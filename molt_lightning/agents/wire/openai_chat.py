@@ -1,8 +1,8 @@
 """OpenAI's chat completions wire (``POST /v1/chat/completions``) on the run's endpoint: the fields a request may hold,
 a request parsed into the chat messages and tools the policy's chat template renders (tool-call arguments as objects,
 the Hugging Face form), and the reply, its stream and its errors in OpenAI's shapes. The module is a wire of
-``Endpoint._turn`` (``api_key``, ``parse``, ``error_body``, ``respond``), served exactly like the Anthropic one
-(``anthropic_messages``); what both share is in ``checks``.
+``Endpoint._turn`` (``api_key``, ``parse``, ``error_body``, ``reply_body``, ``events``), served exactly like the
+Anthropic one (``anthropic_messages``); what both share is in ``checks``.
 
 The shapes are written by hand from OpenAI's API reference: no library offers them without a serving engine.
 """
@@ -55,19 +55,15 @@ def parse(body: dict, max_context: int, tools_ok: bool) -> tuple[list[dict], lis
 error_body = RequestError.body  # OpenAI's error shape is the request error's own
 
 
-def respond(body: dict, message: dict, out, prompt_tokens: int):
-    from starlette.responses import JSONResponse, StreamingResponse
-
+def reply_body(body: dict, message: dict, out, prompt_tokens: int) -> dict:
+    """The chat completion of the turn (``events``: as a stream)."""
     reply = _openai_message(message)
     finish = "tool_calls" if reply.get("tool_calls") else out.finish_reason
-    created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex[:16]}"
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(out.token_ids),
-             "total_tokens": prompt_tokens + len(out.token_ids)}
-    if body.get("stream"):
-        return StreamingResponse(_chunks(cid, created, body["model"], reply, finish), media_type="text/event-stream")
-    return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": body["model"],
-                         "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": None}],
-                         "usage": usage})
+    return {"id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "object": "chat.completion", "created": int(time.time()),
+            "model": body["model"],
+            "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": None}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(out.token_ids),
+                      "total_tokens": prompt_tokens + len(out.token_ids)}}
 
 
 def hf_message(m: Any, i: int) -> dict:
@@ -119,15 +115,18 @@ def _openai_message(message: dict) -> dict:
     return reply
 
 
-async def _chunks(cid: str, created: int, model: str, reply: dict, finish: str):
+async def events(completion: dict):
+    """The completion as OpenAI's stream: the whole reply as one chunk, then the finish chunk."""
     def event(delta: dict, finish_reason: str | None) -> str:
-        chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+        chunk = {"id": completion["id"], "object": "chat.completion.chunk", "created": completion["created"],
+                 "model": completion["model"],
                  "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
         return f"data: {json.dumps(chunk)}\n\n"
 
-    delta = dict(reply)
+    [choice] = completion["choices"]
+    delta = dict(choice["message"])
     if "tool_calls" in delta:
         delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
     yield event(delta, None)
-    yield event({}, finish)
+    yield event({}, choice["finish_reason"])
     yield "data: [DONE]\n\n"
