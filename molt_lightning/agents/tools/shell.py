@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -101,8 +101,7 @@ class ShellSession:
                                          procs=self._procs)
             result = ShellResult(_NOISE.sub("", _clip(capture, self.backend.max_output)), rc, timed_out,
                                  time.monotonic() - start)
-        self.commands.append({"command": command, "output": result.output, "exit_code": result.exit_code,
-                              "timed_out": result.timed_out, "seconds": round(result.seconds, 3)})
+        self.commands.append({"command": command, **asdict(result), "seconds": round(result.seconds, 3)})
         return result
 
     async def read(self, path: str) -> bytes | None:
