@@ -164,9 +164,7 @@ def prompt_key(sample: dict) -> str:
 
 def load(source: Source) -> list[dict[str, Any]]:
     """The samples of ``source``, every row checked (``ValueError`` naming the file, row and field)."""
-    rows = _read(source)
-    if source.limit is not None:
-        rows = rows[: source.limit]
+    rows = _read(source)[: source.limit]  # (limit None: every row)
     if not rows:
         raise ValueError(f"data source {source.label} has no rows")
     return [_sample(source, i, row) for i, row in enumerate(rows)]
