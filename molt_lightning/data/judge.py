@@ -193,11 +193,10 @@ class Judge:
                              f"{samples} times: set temperature > 0 (e.g. 0.7) or samples: 1")
         verdict_spec(verdict)
         names = set() if template is None else {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
-        if template is not None:
-            if "response" not in names or not names <= set(FIELDS):
-                raise ValueError(f"Judge: the template must name {{response}} and may name only "
-                                 f"{', '.join('{' + f + '}' for f in FIELDS)}; it names {sorted(names)} (write "
-                                 "literal braces as {{ }})")
+        if template is not None and ("response" not in names or not names <= set(FIELDS)):
+            raise ValueError(f"Judge: the template must name {{response}} and may name only "
+                             f"{', '.join('{' + f + '}' for f in FIELDS)}; it names {sorted(names)} (write "
+                             "literal braces as {{ }})")
         if api_key_env is not None and not os.environ.get(api_key_env):
             raise ValueError(f"Judge: the environment variable {api_key_env} (api_key_env) is not set: export the "
                              "judge's API key there")
