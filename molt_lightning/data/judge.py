@@ -39,7 +39,7 @@ import string
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache, partial
 
 from ..engines.auxiliary import Auxiliary, AuxiliaryFailed
@@ -97,8 +97,8 @@ class JudgeVerdict:
     failed: list[str] = field(default_factory=list)  # the kind of each sample that gave no verdict
 
     def info(self) -> dict:
-        return {"prompt": self.prompt, "raw": self.raw, "score": self.score, "scores": self.scores,
-                "failed": self.failed, "cached": self.cached}
+        """Every field, as a JSON-ready dict (a trajectory's ``info["judge"]``)."""
+        return asdict(self)
 
 
 # ----- verdicts: pure functions -----
