@@ -90,17 +90,14 @@ class Evaluate(L.Callback):
         finite = hasattr(self.tasks, "__len__")
         if self.max_prompts is None and not finite:
             raise ValueError("Evaluate: the evaluation tasks are a stream without end: set max_prompts")
-        samples, keys = [], set()
+        samples = {}  # prompt -> the first sample that holds it
         for sample in self.tasks(self.seed):
-            key = prompt_key(sample) if "messages" in sample else repr(sample)
-            if key not in keys:
-                keys.add(key)
-                samples.append(sample)
+            samples.setdefault(prompt_key(sample) if "messages" in sample else repr(sample), sample)
             if not finite and len(samples) >= self.max_prompts:
                 break
         if not samples:
             raise ValueError("Evaluate: the evaluation tasks yielded no samples")
-        return samples
+        return list(samples.values())
 
     def select(self, train_tasks, fitting: bool = True) -> None:
         """Settle the held-out prompts against the training tasks (``overlap``, see the module docstring; only a
