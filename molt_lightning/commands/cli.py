@@ -317,8 +317,8 @@ def evaluate_main(argv: list[str]) -> None:
             from .export import export
 
             rest = [*rest, "--model.policy", str(export(ours.ckpt, tmp, merge=True))]
-        with warnings.catch_warnings():  # "args and sys.argv both given": the eval's own flags are not LightningCLI's
-            warnings.simplefilter("ignore", UserWarning)
+        # "args and sys.argv both given": the eval's own flags are not LightningCLI's
+        with warnings.catch_warnings(action="ignore", category=UserWarning):
             cli = molt_cli()(AsyncRLModule, run=False, args=rest, parser_class=MoltParser,
                              parser_kwargs={"prog": "molt eval"}, auto_configure_optimizers=False,
                              save_config_callback=None)

@@ -311,8 +311,8 @@ def sft_cli(argv: list[str], parser_class):
             kwargs.update(unlogged_root(self._get(self.config_init, "trainer", default={})))
             return super().instantiate_trainer(**kwargs)
 
-    with warnings.catch_warnings():  # "args and sys.argv both given": `sft` is molt's word, not LightningCLI's
-        warnings.simplefilter("ignore", UserWarning)
+    # "args and sys.argv both given": `sft` is molt's word, not LightningCLI's
+    with warnings.catch_warnings(action="ignore", category=UserWarning):
         return SFTCLI(SFTModule, SFTData, run=False, args=argv, parser_class=parser_class,
                       parser_kwargs={"prog": "molt sft"}, save_config_kwargs={"overwrite": True},
                       auto_configure_optimizers=False)
