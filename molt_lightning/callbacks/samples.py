@@ -23,14 +23,12 @@ class RolloutSamples(L.Callback):
         if step % self.every_n_steps or trainer.global_rank != 0 or trainer.logger is None:
             return
         decode = pl_module.tokenizer.decode
-        lines = []
-        for traj in outputs["batch"].trajectories[: self.per_step]:
-            spans = [{"kind": s.kind.value, "text": decode(s.token_ids),
-                      **({"versions": sorted(set(s.versions))} if s.versions else {})}
-                     for seg in traj.segments for s in seg]
-            lines.append({"step": step, "sample_id": traj.sample_id, "reward": traj.reward,
-                          "status": traj.status.value, "info": traj.info, "segments": len(traj.segments),
-                          "spans": spans})
         os.makedirs(trainer.logger.log_dir, exist_ok=True)
         with open(os.path.join(trainer.logger.log_dir, self.filename), "a") as f:
-            f.writelines(json.dumps(line, default=str) + "\n" for line in lines)
+            for traj in outputs["batch"].trajectories[: self.per_step]:
+                spans = [{"kind": s.kind.value, "text": decode(s.token_ids),
+                          **({"versions": sorted(set(s.versions))} if s.versions else {})}
+                         for seg in traj.segments for s in seg]
+                f.write(json.dumps({"step": step, "sample_id": traj.sample_id, "reward": traj.reward,
+                                    "status": traj.status.value, "info": traj.info, "segments": len(traj.segments),
+                                    "spans": spans}, default=str) + "\n")
