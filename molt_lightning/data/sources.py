@@ -94,9 +94,7 @@ class Source:
 
     @property
     def label(self) -> str:
-        if self.path:
-            return self.path
-        return f"reasoning_gym:{self.reasoning_gym}" if self.reasoning_gym else self.generator
+        return self.path or (f"reasoning_gym:{self.reasoning_gym}" if self.reasoning_gym else self.generator)
 
 
 class Tasks:
