@@ -156,8 +156,7 @@ def _held_out(log_dir: str | None) -> list[str]:
     path = os.path.join(log_dir or "", "eval.jsonl")
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        rounds = [json.loads(x) for x in f if x.strip()]
+    rounds = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
     first, last, lines = rounds[0], rounds[-1], []
     for source, m in last["metrics"].items():
         name = f"avg@{last['k']}"
