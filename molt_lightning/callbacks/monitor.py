@@ -38,7 +38,6 @@ class RolloutMonitor(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         now = time.perf_counter()
         wall, self._last = now - self._last, now
-        b = outputs["batch"]  # its tokens' versions were checked where it was built (trajectory.collate)
         overhead = max(0.0, wall - outputs["trainer_idle_s"] - outputs["train_compute_s"]
                        - outputs.get("weight_sync_s", 0.0))
         metrics = {"perf/step_time_s": wall, "perf/trainer_idle_s": outputs["trainer_idle_s"],
@@ -46,7 +45,8 @@ class RolloutMonitor(L.Callback):
                    "perf/train_compute_s": outputs["train_compute_s"], "perf/overhead_s": overhead,
                    "perf/overhead_frac": overhead / wall}
         if trainer.global_rank == 0:
-            metrics.update(self._rollout(pl_module.source.counts_now(), b, wall))
+            # the batch: its tokens' versions were checked where it was built (trajectory.collate)
+            metrics.update(self._rollout(pl_module.source.counts_now(), outputs["batch"], wall))
             engine = pl_module.engine.take_stats()
             metrics["perf/engine_idle_frac"] = min(1.0, engine["engine_idle_s"] / wall)
             metrics["perf/gen_tokens_per_s"] = engine["generated_tokens"] / wall
