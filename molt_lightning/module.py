@@ -206,7 +206,7 @@ class AsyncRLModule(L.LightningModule):
         trainer_idle_s = time.perf_counter() - t0
         batch: Batch = batch.to(self.device)
         version, algo, outcomes, b = self.policy_version, self.algo, batch.outcomes, self.batching
-        rank, world = parallel.world(self.trainer)
+        rank, world = self.global_rank, self.trainer.world_size
         minis = plan(batch, world, rank, b.mini_batches, b.micro_batch_tokens)
 
         steps = b.updates_per_batch * len(minis)  # optimizer steps this batch makes

@@ -141,10 +141,6 @@ def grad_sync(strategy, policy: torch.nn.Module, enabled: bool):
             yield
 
 
-def world(trainer) -> tuple[int, int]:
-    return trainer.global_rank, trainer.world_size
-
-
 def broadcast(obj: Any, trainer) -> Any:
     """Rank 0's ``obj`` on every rank."""
     if trainer.world_size == 1:
