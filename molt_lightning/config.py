@@ -120,11 +120,6 @@ def imported(path: str, what: str, fix: str = "") -> Any:
         raise NotImported(f"{what} {path!r} does not import ({e})" + (f": {fix}" if fix else ""), str(e)) from None
 
 
-def record(cls, value):
-    """``value`` as a ``cls`` record: a dict (from saved hyperparameters, hparams.yaml) is made into one."""
-    return cls(**value) if isinstance(value, dict) else value
-
-
 def _at_least(record, group: str, **least) -> None:
     for name, low in least.items():
         if low is not None and getattr(record, name) < low:

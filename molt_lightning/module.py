@@ -38,7 +38,7 @@ from .agents.sessions import AgentSessions
 from .algorithms import (AdvantageInputs, Algorithm, LossInputs, build, masked_mean, objective, off_policy,
                          on_last_turn)
 from .algorithms.objective import Norm
-from .config import Batching, MoE, Optim, Rollout, record
+from .config import Batching, MoE, Optim, Rollout
 from .engines.auxiliary import Auxiliary
 from .engines.base import RolloutEngine
 from .engines.torch_engine import TorchEngine
@@ -93,9 +93,9 @@ class AsyncRLModule(L.LightningModule):
         super().__init__()
         self.teacher_engine = teacher if isinstance(teacher, Auxiliary) else None
         self.save_hyperparameters(ignore=["engine", "agent", "tasks"] + ["teacher"] * bool(self.teacher_engine))
-        self.rollout, self.optim, self.batching, self.moe, self.lora = (
-            record(cls, value) for cls, value in [(Rollout, rollout), (Optim, optim), (Batching, batching), (MoE, moe),
-                                                   (lora_.LoraSpec, lora)])
+        records = [(Rollout, rollout), (Optim, optim), (Batching, batching), (MoE, moe), (lora_.LoraSpec, lora)]
+        self.rollout, self.optim, self.batching, self.moe, self.lora = (  # a dict: saved hyperparameters (hparams.yaml)
+            cls(**value) if isinstance(value, dict) else value for cls, value in records)
         self.batching.check()
         self.automatic_optimization, self.algo = False, algo
         self.fns = build(algo, teacher)  # the recipe's estimator, loss, shaping, group filter, resolved once
