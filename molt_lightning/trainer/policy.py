@@ -39,15 +39,17 @@ Before any of it, ``policy_folder`` resolves ``model.policy`` (a folder, or a fu
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import imported
 from ..engines.base import nucleus
-from ..policies import moe
+from ..policies import load_lm, lora as lora_, moe
 from . import prefix
 from ..policies.vision import BatchImages
 
@@ -245,9 +247,6 @@ def trainable_lm(folder: str, dtype: torch.dtype, checkpointing: bool = False, l
     in train mode. ``AsyncRLModule`` and ``molt sft`` build their policy with it."""
     from transformers import AutoTokenizer
 
-    from ..policies import load_lm
-    from ..policies import lora as lora_
-
     tokenizer = AutoTokenizer.from_pretrained(folder)
     lm = load_lm(folder, dtype)
     check_vocab(lm.config, tokenizer)
@@ -260,20 +259,12 @@ def trainable_lm(folder: str, dtype: torch.dtype, checkpointing: bool = False, l
 
 def rng_state() -> dict:
     """The process's random states (torch, Python, NumPy) as plain types, for ``torch.load(weights_only=True)``."""
-    import random
-
-    import numpy as np
-
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
             "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
 
 
 def set_rng_state(rng: dict) -> None:
-    import random
-
-    import numpy as np
-
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     name, keys, pos, has_gauss, gauss = rng["numpy"]
@@ -282,7 +273,5 @@ def set_rng_state(rng: dict) -> None:
 
 def frozen_policy(folder: str, dtype: torch.dtype, batching) -> Policy:
     """A frozen model beside the trained one (the KL reference, a distillation teacher), chunked like it."""
-    from ..policies import load_lm
-
     lm = load_lm(folder, dtype).eval().requires_grad_(False)
     return Policy(lm, chunk_tokens=batching.logit_chunk_tokens, share_prefix=batching.share_prefix)
