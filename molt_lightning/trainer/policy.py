@@ -104,14 +104,15 @@ class Policy(nn.Module):
         ``images`` a VLM's pixel values for the rows' image tokens."""
         inputs = {} if images is None else images.model_inputs()  # LLaVA: {"pixel_values": (M, 3, H, W)}
         packed = prefix.pack(input_ids, attention_mask, loss_mask) if self.pack_kernel and not inputs else None
+        decoder = decoder_of(self.lm)
         with moe.routed(self.lm, routing, self.replay) as rec:
             if packed is None:
-                hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask.long(),
-                                      **inputs).last_hidden_state  # (N, T, H)
+                hidden = decoder(input_ids=input_ids, attention_mask=attention_mask.long(),
+                                 **inputs).last_hidden_state  # (N, T, H)
             else:  # each shared prompt once (see prefix), gathered back to (N, T, H)
                 mask = packed.mask(self.pack_kernel, self.lm.dtype)
-                hidden = packed.unpack(self.decoder(input_ids=packed.input_ids, attention_mask=mask,
-                                                    position_ids=packed.position_ids).last_hidden_state)
+                hidden = packed.unpack(decoder(input_ids=packed.input_ids, attention_mask=mask,
+                                               position_ids=packed.position_ids).last_hidden_state)
         config = self.lm.config
         metrics = moe.router_metrics(rec, routing, attention_mask, getattr(config, "num_experts", 0))
         metrics["batch/decoder_tokens_frac"] = torch.tensor(1.0 if packed is None else
@@ -139,10 +140,6 @@ class Policy(nn.Module):
         if self.value_head is not None:
             values = self.value_head(hidden.float()).squeeze(-1)  # (N, T-1)
         return logprobs, entropy, values, aux, metrics
-
-    @property
-    def decoder(self) -> nn.Module:
-        return decoder_of(self.lm)
 
     def outputs(self, *args, **kwargs) -> PolicyOutputs:
         return PolicyOutputs(*self(*args, **kwargs))
