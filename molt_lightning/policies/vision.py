@@ -70,10 +70,6 @@ class BatchImages:
     def to(self, device) -> BatchImages:
         return BatchImages(self.pixel_values.to(device), self.rows.to(device))
 
-    def model_inputs(self) -> dict[str, torch.Tensor]:
-        """The keyword arguments of a Hugging Face VLM forward (LLaVA: ``pixel_values``)."""
-        return {"pixel_values": self.pixel_values}
-
 
 def collate_images(rows: list[ImageInputs | None]) -> BatchImages | None:
     """``Batch.images`` from each row's images (None: a row without any); None when no row has one."""

@@ -102,7 +102,7 @@ class Policy(nn.Module):
         """Returns ``(logprobs, entropy, values, aux_loss, router_metrics)`` for the tokens marked by ``loss_mask``
         (N, T), each per-token output (N, T-1); ``routing`` (N, T, layers, k) is the engine's expert record,
         ``images`` a VLM's pixel values for the rows' image tokens."""
-        inputs = {} if images is None else images.model_inputs()  # LLaVA: {"pixel_values": (M, 3, H, W)}
+        inputs = {} if images is None else {"pixel_values": images.pixel_values}  # LLaVA's forward: (M, 3, H, W)
         packed = prefix.pack(input_ids, attention_mask, loss_mask) if self.pack_kernel and not inputs else None
         decoder = decoder_of(self.lm)
         with moe.routed(self.lm, routing, self.replay) as rec:
