@@ -257,6 +257,9 @@ def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None
             rows.append((ids, mask, lps, vers, traj.group_id, t_idx, seg, turns, teacher))
     if not rows:
         raise ConsistencyError("no trainable tokens in this batch")
+    scored = [x is not None for r in rows for x, policy in zip(r[8], r[1]) if policy]  # a teacher engine's logprobs
+    if any(scored) and not all(scored):  # a bug: the rollout side scores every usable trajectory of a run, or none
+        raise ConsistencyError("some policy tokens of the batch have a teacher's logprob and others none")
     width = max(len(r[0]) for r in rows)
 
     def padded(k: int, fill, dtype) -> torch.Tensor:  # one tensor per field from padded lists: no per-row copies
@@ -275,19 +278,8 @@ def collate(trajectories: list[Trajectory], pad_id: int, max_version: int | None
         outcomes=Outcomes.of(trajectories),
         routing=_routing([r[6] for r in rows], width),
         images=collate_images([segment_images(r[6]) for r in rows]),
-        teacher_logprobs=_teacher(rows, width),
+        teacher_logprobs=padded(8, 0.0, torch.float32) if any(scored) else None,
     )
-
-
-def _teacher(rows: list[tuple], width: int) -> torch.Tensor | None:
-    """``Batch.teacher_logprobs`` (N, width) from the rows' policy tokens, or None when none has a teacher's logprob;
-    some but not all is a bug (the rollout side scores every usable trajectory of a run, or none)."""
-    given = [x is not None for r in rows for x, policy in zip(r[8], r[1]) if policy]
-    if not any(given):
-        return None
-    if not all(given):
-        raise ConsistencyError("some policy tokens of the batch have a teacher's logprob and others none")
-    return torch.tensor([r[8] + [0.0] * (width - len(r[8])) for r in rows], dtype=torch.float32)
 
 
 def _routing(segments: list[list[Span]], width: int) -> torch.Tensor | None:
