@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 
 def render(template, messages: list[dict], tools: list | None = None) -> tuple[list[int], list[int]]:
@@ -44,15 +45,12 @@ def reply_text(template, msg: dict, tools: list | None = None) -> str:
 
 def collate(rows: list[tuple[list[int], list[int]]], pad_id: int):
     """Right-padded ``(input_ids, labels, attention_mask)``, each (B, T); labels are -100 off the loss mask."""
-    width = max(len(ids) for ids, _ in rows)
-    ids = torch.full((len(rows), width), pad_id)  # (B, T)
-    labels = torch.full((len(rows), width), -100)  # (B, T)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)  # (B, T)
-    for r, (row_ids, row_mask) in enumerate(rows):
-        ids[r, : len(row_ids)] = torch.tensor(row_ids)
-        labels[r, : len(row_ids)] = torch.tensor([t if m else -100 for t, m in zip(row_ids, row_mask)])
-        attention[r, : len(row_ids)] = 1
-    return ids, labels, attention
+    def padded(seqs: list[list[int]], fill: int) -> torch.Tensor:  # (B, T)
+        return pad_sequence([torch.tensor(s, dtype=torch.long) for s in seqs], batch_first=True, padding_value=fill)
+
+    return (padded([ids for ids, _ in rows], pad_id),
+            padded([[t if m else -100 for t, m in zip(ids, mask)] for ids, mask in rows], -100),
+            padded([[1] * len(ids) for ids, _ in rows], 0))
 
 
 def sft_loss(logprobs: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
