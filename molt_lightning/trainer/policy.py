@@ -126,19 +126,12 @@ class Policy(nn.Module):
         sel = loss_mask[:, 1:]  # (N, T-1)
         where = sel.nonzero(as_tuple=True)
         h, targets = hidden[where], input_ids[:, 1:][where]  # (K, H), (K,)
-        head = self.lm.get_output_embeddings()
-        lps, ents = [], []
-        for i in range(0, targets.numel(), self.chunk_tokens):
-            j = slice(i, i + self.chunk_tokens)
-            lp, ent = checkpoint(_head_chunk, head, h[j], targets[j], temperature, entropy_grad, self.top_p,
-                                 use_reentrant=False)
-            lps.append(lp)
-            ents.append(ent)
-        logprobs = _scatter(sel, lps, hidden)  # (N, T-1)
-        entropy = _scatter(sel, ents, hidden)  # (N, T-1)
-        values = None
-        if self.value_head is not None:
-            values = self.value_head(hidden.float()).squeeze(-1)  # (N, T-1)
+        head, n = self.lm.get_output_embeddings(), self.chunk_tokens
+        chunks = [checkpoint(_head_chunk, head, h[i:i + n], targets[i:i + n], temperature, entropy_grad, self.top_p,
+                             use_reentrant=False) for i in range(0, targets.numel(), n)]  # (logprobs, entropy) each
+        logprobs = _scatter(sel, [lp for lp, _ in chunks], hidden)  # (N, T-1)
+        entropy = _scatter(sel, [ent for _, ent in chunks], hidden)  # (N, T-1)
+        values = None if self.value_head is None else self.value_head(hidden.float()).squeeze(-1)  # (N, T-1)
         return logprobs, entropy, values, aux, metrics
 
     def outputs(self, *args, **kwargs) -> PolicyOutputs:
