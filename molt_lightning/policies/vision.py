@@ -91,11 +91,8 @@ def check_same_size(tensors: list[torch.Tensor]) -> None:
 
 def images_in(messages: list[dict[str, Any]]) -> list:
     """The images of ``messages``' content parts (``{"type": "image", "image": PIL.Image}``), in order."""
-    found = []
-    for m in messages:
-        if isinstance(m.get("content"), list):
-            found += [p["image"] for p in m["content"] if isinstance(p, dict) and p.get("type") == "image"]
-    return found
+    return [p["image"] for m in messages if isinstance(m.get("content"), list) for p in m["content"]
+            if isinstance(p, dict) and p.get("type") == "image"]
 
 
 def load_processor(folder: str):
