@@ -132,8 +132,7 @@ class Constants:
 
     def rows(self, idx: torch.Tensor, cut: int) -> Constants:
         """The constants of rows ``idx``, cut to ``cut`` positions."""
-        return Constants(*(None if t is None else t[idx, :cut] for t in (self.old, self.ref, self.values,
-                                                                           self.teacher)))
+        return Constants(*(None if t is None else t[idx, :cut] for t in vars(self).values()))
 
 
 @torch.no_grad()
