@@ -94,10 +94,9 @@ def summarize(outcomes: list[Outcome], k: int) -> dict[str, dict[str, float]]:
     out = {}
     for source, prompts in by_prompt(outcomes).items():
         runs = list(prompts.values())
-        per_prompt = {f"avg@{k}": [np.mean([o.reward for o in r]) for r in runs],
-                      "pass@1": [pass_at_k(len(r), sum(o.correct for o in r), 1) for r in runs]}
-        if k > 1:
-            per_prompt[f"pass@{k}"] = [pass_at_k(len(r), sum(o.correct for o in r), k) for r in runs]
+        per_prompt = {f"avg@{k}": [np.mean([o.reward for o in r]) for r in runs]}
+        for j in sorted({1, k}):  # pass@1, and pass@k when k > 1
+            per_prompt[f"pass@{j}"] = [pass_at_k(len(r), sum(o.correct for o in r), j) for r in runs]
         if any(o.answer is not None for r in runs for o in r):
             per_prompt[f"maj@{k}"] = [float(majority_correct([o.answer for o in r], [o.correct for o in r]))
                                       for r in runs]
