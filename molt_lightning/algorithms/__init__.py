@@ -9,8 +9,8 @@ picked by name (or a user's dotted path) from the recipe's ``Algorithm`` record.
 | aggregation      | ``fn(x (N, T), mask, cfg) -> scalar``                       | ``AGGREGATIONS`` | objective.py  |
 | KL estimator     | ``fn(logprobs, ref_logprobs) -> (N, T)``                    | ``KL_ESTIMATORS``| objective.py  |
 | IS level/mode    | see correction.py                                           | ``IS_LEVELS``... | correction.py |
-| reward shaping   | ``fn(rewards (M,), outcomes, cfg) -> (M,)``                 | ``REWARD_SHAPERS``| sampling.py  |
-| group filter     | ``fn(rewards: list[float]) -> bool``                        | ``GROUP_FILTERS``| sampling.py   |
+| reward shaping   | ``fn(rewards (M,), outcomes, cfg) -> (M,)``                 | ``REWARD_SHAPERS``| shaping.py   |
+| group filter     | ``fn(rewards: list[float]) -> bool``                        | ``GROUP_FILTERS``| shaping.py    |
 
 Adding one costs one function, one registry line and one test. ``build(cfg)`` checks the record and resolves every
 name once, so a typo fails at construction with the list of choices, not mid-run.
