@@ -76,16 +76,19 @@ def test_vllm_engines_and_torch_engine_agree_before_and_after_update(served_engi
     vllm_engine = served_engine
     greedy = Sampling(max_tokens=16, temperature=0.0)
     results = []
-    for version, state in [(0, weights), (1, perturbed(weights, 0.3, seed=1))]:
-        for engine in (torch_engine, vllm_engine):
-            engine.call(engine.update_weights(state, version))
-        a = generate_all(torch_engine, prompts, greedy)
-        b = generate_all(vllm_engine, prompts, greedy)
-        for x, y in zip(a, b):
-            assert x.token_ids == y.token_ids
-            assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-4
-            assert set(x.versions) == set(y.versions) == {version}
-        results.append(a)
+    try:
+        for version, state in [(0, weights), (1, perturbed(weights, 0.3, seed=1))]:
+            for engine in (torch_engine, vllm_engine):
+                engine.call(engine.update_weights(state, version))
+            a = generate_all(torch_engine, prompts, greedy)
+            b = generate_all(vllm_engine, prompts, greedy)
+            for x, y in zip(a, b):
+                assert x.token_ids == y.token_ids
+                assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-4
+                assert set(x.versions) == set(y.versions) == {version}
+            results.append(a)
+    finally:  # the session's engine and servers go back to the policy: later tests (test_scoring) compare with it
+        vllm_engine.call(vllm_engine.update_weights(weights, 0))
     # the update really changed what both engines generate
     assert any(x.token_ids != y.token_ids for x, y in zip(*results))
 
