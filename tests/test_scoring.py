@@ -11,6 +11,7 @@ import torch
 from molt_lightning.config import Batching
 from molt_lightning.engines import EnginePool, Sampling, TorchEngine
 from molt_lightning.engines.base import RolloutEngine
+from molt_lightning.engines.batched import Batched
 from molt_lightning.trainer.policy import frozen_policy
 
 PROMPTS = [[1, 5, 7, 9, 11], [1, 20, 30], [2, 3, 4, 5, 6, 7, 8, 9]]
@@ -102,6 +103,38 @@ def test_pool_scores_on_a_live_engine(policy_path, hf_model):
         assert pool.routed == {0: 1, 1: 3}
     finally:
         pool.release()
+
+
+def test_batched_answers_requests_that_arrive_together_in_one_call():
+    """The drain both the torch engine's scoring and the vLLM engine's routing capture use: the requests queued while
+    a call runs go in the next call, in order; an exception answer reaches its own caller only, a raised one every
+    caller of that call; a caller that gave up is skipped and the others of its call still get their answers."""
+    calls, gate = [], asyncio.Event()
+
+    async def answer(requests):
+        calls.append(list(requests))
+        if len(calls) == 1:
+            await gate.wait()  # the first call runs while the others queue
+        if "boom" in requests:
+            raise RuntimeError("the whole call failed")
+        return [ValueError(f"bad {r}") if r == "bad" else r.upper() for r in requests]
+
+    async def main():
+        batched = Batched(answer)
+        first = asyncio.ensure_future(batched("a"))
+        await asyncio.sleep(0)  # the drain task starts and takes "a"
+        rest = [asyncio.ensure_future(batched(r)) for r in ("b", "gone", "bad", "c")]
+        await asyncio.sleep(0)
+        rest[1].cancel()  # its caller gives up while its call is queued
+        gate.set()  # (a drain that tripped over it would leave "bad" and "c" unanswered: the deadline below)
+        results = await asyncio.wait_for(asyncio.gather(first, *rest, return_exceptions=True), 60)
+        failed = await asyncio.gather(batched("x"), batched("boom"), return_exceptions=True)
+        return results, failed
+
+    (a, b, gone, bad, c), failed = asyncio.run(main())
+    assert calls[:2] == [["a"], ["b", "gone", "bad", "c"]] and (a, b, c) == ("A", "B", "C")
+    assert isinstance(bad, ValueError) and str(bad) == "bad bad" and isinstance(gone, asyncio.CancelledError)
+    assert calls[2] == ["x", "boom"] and all(isinstance(e, RuntimeError) for e in failed)
 
 
 def test_an_engine_without_scoring_names_those_with():
