@@ -1,5 +1,6 @@
 """Shared fixtures: the embedded tiny policy (built once per machine), one real vLLM engine per policy kind per test
-session (dense, LoRA, mixture-of-experts: each tests puts back the weights it changed), and two ``molt serve``
+session (dense, LoRA, mixture-of-experts: each test puts back the weights it changed; for the dense engine, the remote
+one and a pool's servers a check after each test that used them says so by fingerprints), and two ``molt serve``
 servers on loopback (started together on first use) with a remote engine on the first.
 
 A shared engine is stopped after the last test of the last file that names it (``pytest_runtest_teardown``), not at
@@ -26,6 +27,7 @@ from suite import SHARED, names, text  # noqa: E402  (how the suite runs: tests/
 
 pytest_plugins = ["suite"]
 _last_user: dict[str, str] = {}  # shared fixture -> node id of the last collected test of the last file naming it
+_live: dict[str, tuple] = {}  # the shared dense-policy engines while they live, with their policy folder
 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection and any reordering
@@ -80,8 +82,36 @@ def vllm_engine(policy_path):
 
     engine = VLLMEngine(seed=0)
     engine.launch(policy_path)
+    _live["vllm_engine"] = engine, policy_path
     yield engine
+    del _live["vllm_engine"]
     engine.release()
+
+
+@pytest.fixture(autouse=True)
+def _shared_engines_serve_the_policy(request):
+    """After a test that used a shared dense-policy engine, that engine still serves the policy: a test that changes
+    its weights puts them back, or the tests after it pass or fail by their order (test_scoring's vLLM tests failed
+    after a test_engines test that left perturbed weights; nothing but the order showed it)."""
+    yield
+    for name, (engine, policy_path) in list(_live.items()):
+        if name in request.fixturenames:
+            serves_the_policy(engine, policy_path, name)
+
+
+def serves_the_policy(engine, policy_path: str, who: str, via=None) -> None:
+    """Fail naming the tensors when ``engine`` (a member of the engine ``via``) does not serve the policy's weights
+    (by their fingerprints)."""
+    from safetensors.torch import load_file
+
+    from molt_lightning.engines.fingerprint import fingerprint
+
+    weights = load_file(f"{policy_path}/model.safetensors")
+    served = (via or engine).call(engine.fingerprints({k: tuple(v.shape) for k, v in weights.items()}), timeout=120)
+    wrong = sorted(k for k, v in weights.items() if served.get(k) is None or served[k].checksum
+                   != fingerprint(v).checksum)
+    assert not wrong, (f"the shared {who} no longer serves the policy after this test ({len(wrong)} tensors differ, "
+                       f"e.g. {wrong[0]}): put its weights back in a finally (update_weights(policy weights, 0))")
 
 
 @pytest.fixture(scope="session")
@@ -163,6 +193,8 @@ def served_engine(request, policy_path, vllm_engine, molt_servers):
         pool = EnginePool(urls=[s.url for s in molt_servers])
         pool.launch(policy_path)
         request.addfinalizer(pool.release)
+        request.addfinalizer(lambda: [serves_the_policy(m, policy_path, f"molt serve server at {m.url}", pool)
+                                      for m in pool.members])  # the session's servers, before the pool goes
         return pool
     engine = request.getfixturevalue("remote_engine")
     channel, engine.channel = engine.channel, "http" if request.param == "remote-http" else "shm"
@@ -177,5 +209,7 @@ def remote_engine(molt_servers, policy_path):
 
     engine = RemoteVLLMEngine(url=molt_servers[0].url)
     engine.launch(policy_path)
+    _live["remote_engine"] = engine, policy_path
     yield engine
+    del _live["remote_engine"]
     engine.release()

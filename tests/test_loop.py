@@ -49,7 +49,14 @@ def make(engine, **kw):
 
 @pytest.fixture(params=["torch", pytest.param("vllm", marks=pytest.mark.slow)])
 def engine(request):
-    return TorchEngine(seed=0) if request.param == "torch" else request.getfixturevalue("vllm_engine")
+    if request.param == "torch":
+        yield TorchEngine(seed=0)
+        return
+    from safetensors.torch import load_file
+
+    engine, policy = request.getfixturevalue("vllm_engine"), request.getfixturevalue("policy_path")
+    yield engine
+    engine.call(engine.update_weights(load_file(f"{policy}/model.safetensors"), 0))  # the session's engine: the policy
 
 
 @pytest.mark.slow
