@@ -1,6 +1,7 @@
 """The consistency invariant, checked on trained batches against a record of every engine generation: each run of
-trained positions is exactly one engine generation (same context, ids, logprobs and versions) within the lag bound,
-and template/environment tokens are never trained on. Shared by the loop, endpoint and environment tests."""
+trained positions is exactly one engine generation (same context, ids, logprobs and versions, starting where it
+started) within the lag bound, so template/environment tokens are never trained on. Shared by the loop, endpoint and
+environment tests."""
 
 from __future__ import annotations
 
@@ -63,10 +64,10 @@ def check_trained_tokens(records, batches: Batches, tokenizer, max_lag: int = 1,
                 assert matches, f"trained positions {s}:{e} of row {row} match no engine generation"
                 _, out = candidates.pop(matches[0])  # each generation backs at most one trained span
                 assert max(out.versions) <= version and version - min(out.versions) <= max_lag
-            text = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
-            tool_turns += text.count(tool_marker)
-            trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
-            assert "<|im_start|>" not in trained  # template and tool tokens are never trained on
+            # every trained run is one engine generation, starting where it did: so template and tool tokens are
+            # never trained on, unless the policy sampled one itself (then it is its own token, trained as such; a
+            # check for "<|im_start|>" in the trained text failed once in CI for that reason)
+            tool_turns += tokenizer.decode([t for t, m in zip(ids, mask) if not m]).count(tool_marker)
     return tool_turns
 
 
