@@ -1,7 +1,8 @@
 """Shared fixtures: the embedded tiny policy (built once per machine), one real vLLM engine per policy kind per test
 session (dense, LoRA, mixture-of-experts: each test puts back the weights it changed; for all but the LoRA one, the
 remote engine and a pool's servers a check after each test that used them says so by fingerprints), and two ``molt
-serve`` servers on loopback (started together on first use) with a remote engine on the first.
+serve`` servers on loopback (started together on first use) with a remote engine on the first; after a test that trains
+on those servers itself, the policy goes back on them.
 
 A shared engine is stopped after the last test of the last file that names it (``pytest_runtest_teardown``), not at the
 session's end: five engines alive at once beside a later file's own (the SmolLM2 recipe's 8 GB trainer) ran a 24 GiB
@@ -94,9 +95,34 @@ def _shared_engines_serve_the_policy(request):
     changes its weights puts them back, or the tests after it pass or fail by their order (test_scoring's vLLM tests
     failed after a test_engines test that left perturbed weights; nothing but the order showed it)."""
     yield
-    for name, (engine, policy_path) in list(_live.items()):
-        if name in request.fixturenames:
-            serves_the_policy(engine, policy_path, name)
+    try:
+        for name, (engine, policy_path) in list(_live.items()):
+            if name in request.fixturenames and name != "molt_servers":
+                serves_the_policy(engine, policy_path, name)
+    finally:
+        users = set(request.fixturenames)
+        if "molt_servers" in users and "molt_servers" in _live and not users & {"served_engine", "remote_engine"}:
+            servers_back_on_the_policy(*_live["molt_servers"])
+
+
+def servers_back_on_the_policy(servers, policy_path: str) -> None:
+    """A test that trains on the session's servers itself (a pool's run, several nodes) leaves them on its trained
+    weights: the policy goes back on them, through a pool of their own for this, when a fingerprint says it is not
+    served (tests through ``served_engine``/``remote_engine`` put it back themselves, and are checked)."""
+    from safetensors.torch import load_file
+
+    from molt_lightning.engines import EnginePool
+
+    pool = EnginePool(urls=[s.url for s in servers])
+    pool.launch(policy_path)
+    try:
+        try:
+            for member in pool.members:
+                serves_the_policy(member, policy_path, member.url, pool)
+        except AssertionError:
+            pool.call(pool.update_weights(load_file(f"{policy_path}/model.safetensors"), 0), timeout=300)
+    finally:
+        pool.release()
 
 
 def serves_the_policy(engine, policy_path: str, who: str, via=None) -> None:
@@ -177,8 +203,10 @@ def molt_servers(policy_path):
         servers = [LocalServer(policy_path, cpu_threads=str(i % cores)) for i in range(2)]
         for server in servers:
             server.wait_ready(600)  # two vLLM start-ups at once on a loaded 2-core machine took over 300 s
+        _live["molt_servers"] = servers, policy_path
         yield servers
     finally:
+        _live.pop("molt_servers", None)
         for server in servers:
             server.stop()
 
