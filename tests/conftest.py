@@ -10,6 +10,7 @@ machine out of memory (CI killed the suite at 87%)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -109,8 +110,6 @@ def servers_back_on_the_policy(servers, policy_path: str) -> None:
     """A test that trains on the session's servers itself (a pool's run, several nodes) leaves them on its trained
     weights: the policy goes back on them, through a pool of their own for this, when a fingerprint says it is not
     served (tests through ``served_engine``/``remote_engine`` put it back themselves, and are checked)."""
-    from safetensors.torch import load_file
-
     from molt_lightning.engines import EnginePool
 
     pool = EnginePool(urls=[s.url for s in servers])
@@ -120,19 +119,25 @@ def servers_back_on_the_policy(servers, policy_path: str) -> None:
             for member in pool.members:
                 serves_the_policy(member, policy_path, member.url, pool)
         except AssertionError:
-            pool.call(pool.update_weights(load_file(f"{policy_path}/model.safetensors"), 0), timeout=300)
+            pool.call(pool.update_weights(policy_weights_of(policy_path), 0), timeout=300)
     finally:
         pool.release()
+
+
+@functools.cache
+def policy_weights_of(policy_path: str) -> dict:
+    """A policy folder's weights, read once (the checks after each test compare with them; never modified)."""
+    from safetensors.torch import load_file
+
+    return load_file(f"{policy_path}/model.safetensors")
 
 
 def serves_the_policy(engine, policy_path: str, who: str, via=None) -> None:
     """Fail naming the tensors when ``engine`` (a member of the engine ``via``) does not serve the policy's weights
     (by their fingerprints)."""
-    from safetensors.torch import load_file
-
     from molt_lightning.engines.fingerprint import fingerprint
 
-    weights = load_file(f"{policy_path}/model.safetensors")
+    weights = policy_weights_of(policy_path)
     served = (via or engine).call(engine.fingerprints({k: tuple(v.shape) for k, v in weights.items()}), timeout=120)
     # (checksum None: a tensor the engine cannot read back, vLLM's CPU MoE experts, repacked in place)
     wrong = sorted(k for k, v in weights.items() if served.get(k) is None

@@ -1,12 +1,29 @@
-"""An HTTP server on loopback for client tests: one async handler answers every request (uvicorn in a thread, on a
-free 127.0.0.1 port); ``url`` while it runs, ``stop`` to end it. The remote engine's tests used ``httpx.MockTransport``
-before its client became aiohttp; this serves the same handlers over a real socket."""
+"""Loopback for tests: an HTTP server for client tests, and a port no sandbox may reach (``unreached_port``). The
+server: one async handler answers every request (uvicorn in a thread, on a free 127.0.0.1 port); ``url`` while it
+runs, ``stop`` to end it. The remote engine's tests used ``httpx.MockTransport`` before its client became aiohttp;
+this serves the same handlers over a real socket."""
 
 from __future__ import annotations
 
 import socket
 import threading
 import time
+from contextlib import contextmanager
+
+import pytest
+
+
+@contextmanager
+def unreached_port():
+    """A port listening on 127.0.0.1 (loopback only, never any other address) for a sandbox's no-network test to try;
+    on leaving, that nobody came through."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        listener.setblocking(False)
+        yield listener.getsockname()[1]
+        with pytest.raises(BlockingIOError):
+            listener.accept()
 
 
 class Loopback:
