@@ -9,6 +9,11 @@ setup:
 setup-test:
 	@bash scripts/setup.sh test
 
+# `make extra-NAME`: the default set-up and one optional extra of pyproject.toml, pinned (data, smollm2, lora,
+# agents, trl, bench); the command a missing extra's error names (molt_lightning/extras.py)
+extra-%: setup
+	@bash scripts/setup.sh extra $*
+
 train: setup  # quiet: the progress bar and a summary; the full log goes to the run folder (MOLT_QUIET=0: all of it)
 	MOLT_QUIET=$${MOLT_QUIET:-1} .venv/bin/molt fit --config recipes/default.yaml
 

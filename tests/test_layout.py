@@ -21,7 +21,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "molt_lightning"
 FLOORS = {  # bottom up: records and pure functions, the engines, the agent side, the rollout side, the trainer ...
-    "config": 0,
+    "config": 0, "extras": 0,
     "algorithms": 1, "policies": 1, "engines.fingerprint": 1,
     "trajectory": 2,
     "engines": 3,

@@ -191,6 +191,7 @@ def main(args: list[str] | None = None) -> None:
     from ..callbacks.checkpoint import DiskFull
     from ..callbacks.runlog import QuietTerminal
     from ..engines import EngineUnavailable
+    from ..extras import MissingExtra
     from ..module import AsyncRLModule
     from ..rollout.source import RolloutFailures, RolloutStopped
 
@@ -206,7 +207,7 @@ def main(args: list[str] | None = None) -> None:
         raise
     # SIGTERM while waiting for rollouts (the engine is shut down by now: exit 143); the failure breaker; remote
     # engines gone or not answering; a checkpoint that did not fit (the earlier ones are intact): one line each
-    except (RolloutStopped, RolloutFailures, EngineUnavailable, DiskFull) as e:
+    except (RolloutStopped, RolloutFailures, EngineUnavailable, DiskFull, MissingExtra) as e:
         print(f"molt: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         sys.exit(128 + 15 if isinstance(e, RolloutStopped) else 1)
     except RuntimeError as e:  # a collective whose peer on another node is gone: name it and the way back
@@ -232,12 +233,15 @@ def molt_cli(quiet: list | None = None):
     from ..callbacks import StepProgressBar
     from ..callbacks.checkpoint import AtomicCheckpointIO
     from ..callbacks.runlog import QuietTerminal, RunSummary, wants_quiet
+    from ..extras import require_for
     from ..trainer.parallel import LORA_UNDER_FSDP2, STRATEGIES, SUPPORTED
 
     quiet = [] if quiet is None else quiet
 
     class MoltCLI(LightningCLI):
         def before_instantiate_classes(self) -> None:
+            # an extra the recipe needs and .venv lacks: one line with its install command (molt eval's too)
+            require_for(self.config[self.subcommand] if self.subcommand else self.config)
             if self.subcommand is not None:
                 with self._answered():
                     config = self.config[self.subcommand]

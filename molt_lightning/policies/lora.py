@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..extras import require
+
 
 @dataclass(frozen=True)
 class Adapter:
@@ -69,11 +71,8 @@ class LoraSpec:
 
 def apply(lm: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
     """``lm`` wrapped with a fresh LoRA adapter (peft ``PeftModel``); only the adapter's parameters require grad."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError:
-        raise ImportError("model.lora needs peft: pip install 'molt-lightning[lora]' (or drop model.lora for full "
-                          "fine-tuning)") from None
+    require("lora", "model.lora (or drop it for full fine-tuning)")
+    from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
                         target_modules=spec.target_modules, bias="none", task_type="CAUSAL_LM")
