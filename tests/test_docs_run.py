@@ -1,0 +1,313 @@
+"""The docs run: every shell block and Python block of README.md and docs/*.md is executed here, or listed with why not.
+
+Each block is keyed by its page and its first command (``README.md: molt fit --config recipes/default.yaml ...``).
+``RUNS`` says how the suite runs a block: its commands exactly as the page writes them, in a scratch folder that
+links the repository's top-level entries, with ``.venv/bin`` first on PATH (what ``. .venv/bin/activate`` does), and
+each command shortened by the arguments written beside it (``+ --trainer.max_steps 2``: appended; a later flag wins),
+or with a placeholder filled in (``NAME`` -> ``default``). ``LISTED`` names the blocks and commands the suite does not
+run, with why; ``make docs-long`` runs the listed ones this machine can run, as written (``MOLT_DOCS_LONG=1``).
+A block on no list fails ``test_every_block_is_run_or_listed`` with the lines to add.
+
+Not here: inline commands in prose (``tests/test_docs.py`` checks that each names a real subcommand, recipe and
+reproduction) and the blocks that are no code to run (YAML recipe excerpts, trees, outputs: a block's language says).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.test_docs import DOCS, read
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # .venv/bin: molt, molt-bench
+RUN_LANGS = {"bash", "sh", "shell", "console", "python"}
+
+# block key -> the commands of the block in order: (the command as the page writes it, what the suite does instead).
+# "+ ARGS" appends ARGS; "A -> B" replaces A by B in the command; "serve" starts it, asks it once and stops it; "" runs
+# it as written.
+RUNS: dict[str, list[tuple[str, str]]] = {
+    "README.md: source .venv/bin/activate": [
+        ("source .venv/bin/activate", ""),
+        ("molt fit --config recipes/default.yaml --trainer.max_steps 30", "+ --trainer.max_steps 2"),
+    ],
+    "README.md: molt sft --config recipes/sft_tiny.yaml": [  # after the block above, in the same folder
+        ("molt sft --config recipes/sft_tiny.yaml", "+ --trainer.max_steps 2"),
+        ("molt export runs/default/version_0/checkpoints/last.ckpt out/", ""),
+        ("molt serve --policy out/", "serve"),
+        ("molt eval --config recipes/default.yaml --model.policy out/", ""),
+    ],
+    "docs/workflow.md: molt sft --config recipes/sft_tiny.yaml": [
+        ("molt sft --config recipes/sft_tiny.yaml", "+ --trainer.max_steps 2"),
+        ("molt fit --config recipes/default.yaml --model.policy runs/sft_tiny/policy",
+         "+ --trainer.max_steps 1 --model.engine molt_lightning.engines.TorchEngine"),
+    ],
+    "docs/reproducing.md: molt-bench reproduce --list": [
+        ("molt-bench reproduce --list", ""),
+    ],
+    "docs/molt-bench.md: molt-bench run arithmetic-tiny --stack molt --seeds 3 --out runs/molt-async": [
+        ("molt-bench compare-published \"molt=119.4,2.3,3\" \"baseline=109.5,10.3,3\" --goal min --margin 10%", ""),
+    ],
+    "docs/configuration.md: from molt_lightning import AsyncRLModule, Batching, Optim, Rollout": [("python", "exec")],
+    "docs/agents.md: import json, openai": [("python", "exec")],
+    "docs/configuration.md: AsyncRLModule(": [("python", "signature")],
+}
+
+# what the suite does not run, and why. "long": `make docs-long` runs it as written; "no": it cannot run here.
+LISTED: dict[str, tuple[str, str]] = {  # (and, for "long", the start of commands make docs-long skips: DOCS_LONG_SKIPS)
+    "README.md: make train": ("long", "the README's two commands: `make test` is CI's own command, `make train` the "
+                                      "default run (100 steps, ~2-6 min)"),
+    "README.md: molt fit --config recipes/default.yaml --trainer.strategy ddp --trainer.devices 2": (
+        "long", "two ranks, 100 steps; tests/test_distributed.py runs the recipe under ddp and fsdp2"),
+    "README.md: make extra-smollm2 && molt fit --config recipes/smollm2_addition.yaml": (
+        "long", "SmolLM2-135M, 40 steps (~10 min); tests/test_smollm2.py runs it"),
+    "docs/scale.md: molt fit --config recipes/default.yaml --trainer.strategy ddp --trainer.devices 2": (
+        "long", "two ranks, 100 steps each; tests/test_distributed.py runs the recipe under ddp and fsdp2"),
+    "docs/workflow.md: molt sft --config recipes/sft_smollm2.yaml": (
+        "long", "SmolLM2-135M fine-tuned (needs make extra-smollm2); tests/test_sft.py runs 2 steps of it"),
+    "docs/workflow.md: molt eval --config recipes/smollm2_chain_sum.yaml": (
+        "long", "SmolLM2 on 200 held-out problems x 4 (needs make extra-smollm2 extra-data), and it reads the "
+                "checkpoint and folder of a chain_sum run; tests/test_evaluation.py runs molt eval"),
+    "docs/workflow.md: molt export runs/default/version_0/checkpoints/last.ckpt out/": (
+        "long", "reads the checkpoints of a default run and a LoRA run (make train; molt fit --config "
+                "recipes/lora.yaml); tests/test_export.py exports both, merged and not"),
+    "docs/algorithms.md: for s in 0 1 2; do for r in grpo grpo_kl dr_grpo dapo gspo cispo rloo reinforce reinforce_pp "
+    "ppo icepop; do": ("no", "33 runs of 60 steps (about an hour here): molt-bench reproduce algorithms; "
+                             "tests/test_algorithms_loop.py runs each overlay"),
+    "docs/molt-bench.md: molt-bench run arithmetic-tiny --stack molt --seeds 3 --out runs/molt-async": (
+        "long", "six runs of the protocol, then the import of TensorBoard files of a slime run (tb/seed0: a "
+                "placeholder for yours); tests/bench/ runs each command on small run sets"),
+    "docs/reproducing.md: molt-bench reproduce default-run": ("long", "the default run and its report (~6 min)"),
+    "docs/scale.md: MOLT_API_KEY=T PORT=8000 scripts/multinode.sh server": (
+        "no", "several hosts; tests/test_multinode.py runs two nodes on loopback"),
+    "docs/testing.md: python -m pytest benchmarks/micro/test_micro.py": (
+        "long", "the micro-benchmarks (minutes); tests/test_micro_benchmarks.py checks their table"),
+    "README.md: \"\"\"Quickstart: 20 RL steps teach the built-in tiny policy to use a calculator tool (vLLM on the "
+    "CPU, no download).\"\"\"": ("run", "tests/test_scripts.py::test_readme_quickstart_runs_as_a_script runs it"),
+    "docs/agents.md: # the stock OpenAI client                         (molt_lightning.tasks.python_tool.openai_agent)":
+        ("no", "excerpts of the agents it names (tasks.python_tool, tasks.framework_agents), which "
+               "tests/test_frameworks.py trains"),
+    "docs/agents.md: async def agent(client, sample) -> float:  # molt_lightning.tasks.python_tool.anthropic_agent, "
+    "in full": ("no", "tasks.python_tool.anthropic_agent with its tool lines cut: tests/test_frameworks.py trains it"),
+    "docs/agents.md: # OpenAI Agents SDK: the stock client of this trajectory as the model, tracing off (it traces to "
+    "OpenAI otherwise)": ("no", "excerpts of tasks.framework_agents, which tests/test_frameworks.py trains"),
+}
+
+
+def commands(text: str) -> list[str]:
+    """A shell block's commands: continuation lines joined, comments and blank lines dropped."""
+    out, pending = [], ""
+    for line in text.splitlines():
+        if pending == "" and line.lstrip().startswith("#"):
+            continue
+        line = re.sub(r"\s+#\s.*$", "", line) if "#" in line else line
+        pending += line.rstrip()
+        if pending.endswith("\\"):
+            pending = pending[:-1].rstrip() + " "
+            continue
+        if pending.strip():
+            out.append(" ".join(pending.split()))
+        pending = ""
+    return out
+
+
+def blocks():
+    """(key, language, text) of every fenced block of the docs in a language that runs."""
+    for path in DOCS:
+        doc = read(path)
+        raw = doc.text.splitlines()
+        for first, text in doc.blocks:
+            lang = re.match(r"\s*(?:```+|~~~+)\s*(\w*)", raw[first - 2])[1]
+            if lang not in RUN_LANGS:
+                continue
+            head = next((line.strip() for line in text.splitlines() if line.strip()), "")
+            cmds = commands(text) if lang != "python" else [head]
+            yield f"{doc.name}: {cmds[0] if cmds and lang != 'python' else head}", lang, text
+
+
+def uncovered() -> tuple[list[str], list[str]]:
+    """(commands and blocks on no list, entries of the lists that name nothing of the docs)."""
+    missing, names = [], set()
+    for key, lang, text in blocks():
+        page = key.split(": ")[0]
+        names.add(key)
+        if lang == "python":
+            missing += [] if key in RUNS or key in LISTED else [key]
+            continue
+        run_here = [cmd for cmd, _ in RUNS.get(key, [])]
+        for cmd in commands(text):
+            names.add(f"{page}: {cmd}")
+            if cmd not in run_here and key not in LISTED and f"{page}: {cmd}" not in LISTED:
+                missing.append(f"{page}: {cmd}" + ("" if f"{page}: {cmd}" == key else f"  (in the block {key})"))
+    return missing, sorted((set(RUNS) | set(LISTED)) - names)
+
+
+def test_every_block_is_run_or_listed():
+    missing, stale = uncovered()
+    assert not missing, "commands of the docs that the suite neither runs nor lists (add each to RUNS or LISTED in " \
+        "tests/test_docs_run.py):\n" + "\n".join(missing)
+    assert not stale, "entries of tests/test_docs_run.py that name no block or command of the docs (gone or " \
+        "changed):\n" + "\n".join(stale)
+    for key, (kind, _) in LISTED.items():
+        assert kind in ("long", "no", "run"), key
+
+
+def test_the_runs_name_the_blocks_commands_as_written():
+    """A block in RUNS is run command by command as the page writes it: an edit of the page shows here."""
+    text = {key: t for key, lang, t in blocks() if lang != "python"}
+    for key, steps in RUNS.items():
+        if steps[0][0] == "python":
+            continue
+        written = commands(text[key])
+        for cmd, _ in steps:
+            assert cmd in written, f"{key}: the page no longer has `{cmd}` (it has: {written})"
+
+
+def test_the_listed_tests_exist():
+    for key, (_, why) in LISTED.items():
+        for path, name in re.findall(r"(tests/[\w/]+\.py)(?:::(\w+))?", why):
+            assert (ROOT / path).exists(), f"{key}: {path} does not exist"
+            assert not name or f"def {name}(" in (ROOT / path).read_text(), f"{key}: {path} has no {name}"
+
+
+def test_the_command_splitter():
+    assert commands("a b  # c\n# d\n\ne \\\n  f\n") == ["a b", "e f"]
+
+
+# ----- running them -----
+
+def scratch(tmp_path: Path) -> Path:
+    """A folder with the repository's top-level entries linked: commands write runs/ and out/ here."""
+    for entry in ROOT.iterdir():
+        if entry.name not in {".git", "runs", "out"} and (entry.name == ".venv" or not entry.name.startswith(".")):
+            (tmp_path / entry.name).symlink_to(entry)
+    return tmp_path
+
+
+def shell_env() -> dict:
+    logs = ROOT.parent / "shared" / "real-logs"  # scripts/real_logs_examples.sh's default, from the scratch folder
+    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "HF_HUB_OFFLINE": "1", "MOLT_QUIET": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1", "MOLT_REAL_LOGS": os.environ.get("MOLT_REAL_LOGS", str(logs))}
+
+
+def suite_command(cmd: str, how: str) -> str:
+    if how.startswith("+ "):
+        return f"{cmd} {how[2:]}"
+    if " -> " in how:
+        old, new = how.split(" -> ")
+        assert old in cmd, (cmd, how)
+        return cmd.replace(old, new)
+    return cmd
+
+
+def run(cmd: str, cwd: Path, timeout: float = 900) -> str:
+    done = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=shell_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, f"`{cmd}` failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout + done.stderr
+
+
+def serve_and_ask(cmd: str, cwd: Path) -> None:
+    """Start ``molt serve`` on a free loopback port, wait until it lists its model, ask it once, stop it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(shlex.split(cmd) + ["--port", str(port)], cwd=cwd, env=shell_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline, models = time.monotonic() + 300, None
+        while models is None:
+            assert server.poll() is None, f"`{cmd}` exited: {server.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, f"`{cmd}` did not answer /v1/models within 300 s"
+            try:
+                models = urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5).read().decode()
+            except OSError:
+                time.sleep(0.5)  # polling the server's readiness (the event), not waiting for a duration
+        assert '"data"' in models, models
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=60)
+
+
+def run_block(key: str, cwd: Path) -> None:
+    for cmd, how in RUNS[key]:
+        if how == "serve":
+            serve_and_ask(cmd, cwd)
+        else:
+            run(suite_command(cmd, how), cwd)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_readme_commands_run(tmp_path):
+    """The README's command blocks in order: the default recipe (2 steps), a warm start, export, serve, eval."""
+    cwd = scratch(tmp_path)
+    run_block("README.md: source .venv/bin/activate", cwd)
+    run_block("README.md: molt sft --config recipes/sft_tiny.yaml", cwd)
+    assert (cwd / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("key", ["docs/workflow.md: molt sft --config recipes/sft_tiny.yaml",
+                                 "docs/reproducing.md: molt-bench reproduce --list",
+                                 "docs/molt-bench.md: molt-bench run arithmetic-tiny --stack molt --seeds 3 --out "
+                                 "runs/molt-async"])
+def test_docs_commands_run(key, tmp_path):
+    run_block(key, scratch(tmp_path))
+
+
+def python_block(key: str) -> str:
+    return next(text for k, lang, text in blocks() if k == key and lang == "python")
+
+
+def test_python_blocks_run():
+    """The complete Python blocks run: their imports resolve and what they build is built."""
+    from molt_lightning.tasks.arithmetic import calculator_agent, tasks
+
+    for key, steps in RUNS.items():
+        if steps[0] != ("python", "exec"):
+            continue
+        scope = {"agent": calculator_agent, "tasks": tasks}  # what a fragment takes from the page around it
+        exec(compile(python_block(key), key, "exec"), scope)  # noqa: S102 - the docs' own code
+
+
+def test_configuration_lists_the_module_signature():
+    """docs/configuration.md's ``AsyncRLModule(...)`` block names every parameter, in order, with its default."""
+    from molt_lightning import AsyncRLModule
+
+    call = ast.parse(python_block("docs/configuration.md: AsyncRLModule(")).body[0].value
+    written = [ast.unparse(a) for a in call.args] + [f"{k.arg}={ast.unparse(k.value)}" for k in call.keywords]
+    params = inspect.signature(AsyncRLModule).parameters.values()
+    actual = [p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}" for p in params]
+    assert [w.split("=")[0] for w in written] == [a.split("=")[0] for a in actual]
+    for w, a in zip(written, actual):
+        if "=" in w and not w.endswith("()"):  # literal defaults (records are shown as their constructor)
+            assert ast.literal_eval(w.split("=", 1)[1]) == ast.literal_eval(a.split("=", 1)[1]), (w, a)
+
+
+# ----- make docs-long -----
+
+DOCS_LONG_SKIPS = ("molt-bench import tb/", "molt-bench check runs/slime")  # a slime run's files: yours, not ours
+
+@pytest.mark.skipif(os.environ.get("MOLT_DOCS_LONG") != "1", reason="make docs-long runs these (MOLT_DOCS_LONG=1)")
+@pytest.mark.parametrize("key", sorted(k for k, (kind, _) in LISTED.items() if kind == "long"))
+def test_listed_blocks_run_as_written(key, tmp_path):
+    cwd, texts = scratch(tmp_path), {k: t for k, lang, t in blocks() if lang != "python"}
+    if key.startswith(("docs/workflow.md: molt export", "docs/workflow.md: molt eval")):
+        pytest.skip(f"{key}: needs the checkpoints of earlier runs (see LISTED)")
+    done = [cmd for cmd, _ in RUNS.get(key, [])]  # the suite runs these already
+    for cmd in commands(texts[key]) if key in texts else [key.split(": ", 1)[1]]:
+        if cmd not in done and not cmd.startswith(DOCS_LONG_SKIPS):
+            run(cmd, cwd, timeout=7200)
