@@ -1,6 +1,7 @@
 """``molt-bench reproduce NAME``: re-run a result the READMEs report and write the reproduction next to it.
 
-The results live in ``benchmarks/reported.yaml``: per name, where it is reported, the commands that make it, the
+The results live in ``benchmarks/reported.yaml``: per name, where it is reported (``where``: one ``FILE#anchor`` or a
+list, the anchor a heading's GitHub slug; ``what``: which table there), the commands that make it, the
 numbers as reported (verbatim) and how to read the reproduced ones (``extract``). ``reproduce`` runs the commands
 from the repository root (``{out}`` is the output folder, ``{real_logs}`` the real-logs folder), keeps their output,
 and writes ``OUT/report.md``: the reported block, the reproduced numbers, the commands with their exit status and
@@ -39,8 +40,18 @@ def registry(path: Path = REGISTRY) -> dict[str, dict]:
         raise RunSetError(f"cannot read the registry of reported results {path}: {e}") from e
 
 
+def locations(entry: dict) -> list[str]:
+    """Where an entry is reported: ``FILE`` or ``FILE#anchor`` (a heading's GitHub slug), from the repository root."""
+    where = entry["where"]
+    return [where] if isinstance(where, str) else list(where)
+
+
+def _where(entry: dict) -> str:
+    return ", ".join(locations(entry)) + (f" ({entry['what']})" if entry.get("what") else "")
+
+
 def listing(path: Path = REGISTRY) -> str:
-    return "\n".join(f"{name:26s} ~{e.get('minutes', '?')} min  {e['where']}" for name, e in registry(path).items())
+    return "\n".join(f"{name:26s} ~{e.get('minutes', '?')} min  {_where(e)}" for name, e in registry(path).items())
 
 
 def reproduce(name: str, out: Path | None = None, path: Path = REGISTRY, log=print) -> Path:
@@ -141,7 +152,7 @@ def _report(name: str, entry: dict, ran: list[dict], reproduced: str) -> str:
     machine = env["machine"]
     commands = "\n".join(f"{r['command']}    # exit {r['status']}, {r['wall_s']} s" for r in ran)
     return "\n".join([
-        f"# molt-bench reproduce {name}", "", f"Reported in {entry['where']}.", "",
+        f"# molt-bench reproduce {name}", "", f"Reported in {_where(entry)}.", "",
         "## Reported", "", "```", entry["reported"].rstrip(), "```", "",
         "## Reproduced", "", "```", reproduced, "```", "",
         "## Commands", "", "```", commands, "```", "",

@@ -4,6 +4,7 @@ command for each of its results, and a reproduction writes the reported numbers 
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from molt_lightning.bench.cli import main
 from molt_lightning.bench.protocol import PROTOCOL_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # tests/ is no package: test_docs's heading slugs, by import
+from tests.test_docs import anchors  # noqa: E402
 
 
 def test_registry_entries_are_complete_and_point_at_what_exists():
@@ -22,7 +25,7 @@ def test_registry_entries_are_complete_and_point_at_what_exists():
     for name, e in entries.items():
         assert {"where", "commands", "extract", "reported", "minutes"} <= set(e), name
         assert e["extract"]["kind"] in reproduce.EXTRACT, name
-        readme = ROOT / e["where"].split(",")[0]
+        readme = ROOT / reproduce.locations(e)[0].partition("#")[0]
         assert f"molt-bench reproduce {name}" in readme.read_text(), f"{readme} does not name the command for {name}"
         for command in e["commands"]:
             assert set(re.findall(r"{(\w+)}", command)) <= {"out", "real_logs"}, command
@@ -31,6 +34,19 @@ def test_registry_entries_are_complete_and_point_at_what_exists():
             for proto in re.findall(r"--protocol (\S+)|run (\S+) --stack", command):
                 ref = next(p for p in proto if p)
                 assert (PROTOCOL_DIR / f"{ref}.yaml").exists(), (name, ref)
+
+
+def test_every_location_is_a_file_and_a_heading_there():
+    """`reproduce --list` prints `where`: each FILE exists, and each #anchor is a heading's slug in it."""
+    problems = []
+    for name, e in reproduce.registry().items():
+        for where in reproduce.locations(e):
+            file, _, anchor = where.partition("#")
+            if not (ROOT / file).is_file():
+                problems.append(f"{name}: {where}: no such file")
+            elif anchor and anchor not in anchors((ROOT / file).resolve()):
+                problems.append(f"{name}: {where}: no heading with this anchor in {file}")
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.slow
