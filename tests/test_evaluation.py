@@ -66,6 +66,22 @@ def test_interval_matches_scipy():
     assert interval([1.0, 1.0, 1.0]) == (1.0, 1.0, 1.0)
 
 
+def test_intervals_of_shares_stay_in_0_1():
+    """38 of 40 prompts solved (pass@4 0.95): the t interval runs to 1.02; the reported one is scipy's, cut at 1.
+    An avg@k over rewards outside [0, 1] keeps the plain t interval."""
+    from scipy import stats
+
+    outcomes = [Outcome("s", i, float(i < 38), i < 38) for i in range(40) for _ in range(4)]
+    m = summarize(outcomes, 4)["s"]
+    x = [1.0] * 38 + [0.0] * 2
+    lo, hi = stats.t.interval(0.95, len(x) - 1, loc=0.95, scale=stats.sem(x))
+    assert hi > 1 and (m["pass@4_lo"], m["pass@4_hi"]) == pytest.approx((lo, 1.0), abs=1e-12)
+    assert (m["avg@4_lo"], m["avg@4_hi"]) == pytest.approx((lo, 1.0), abs=1e-12)
+    assert 0 <= m["pass@1_lo"] <= m["pass@1_hi"] <= 1
+    scaled = summarize([Outcome("s", o.prompt, 2 * o.reward, o.correct) for o in outcomes], 4)["s"]
+    assert scaled["avg@4_hi"] == pytest.approx(2 * hi, abs=1e-12) and scaled["pass@4_hi"] == 1.0
+
+
 def test_summarize_by_source():
     runs = [("a", 0, 1.0, "4"), ("a", 0, 0.0, "5"), ("a", 0, 1.0, "4"), ("a", 1, 0.0, "9"), ("a", 1, 0.0, "8"),
             ("a", 1, 0.0, None), ("b", 0, 0.5, None), ("b", 0, 1.0, None), ("b", 0, 0.0, None)]

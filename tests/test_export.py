@@ -173,3 +173,20 @@ def test_molt_eval_on_a_checkpoint_and_what_it_refuses(tmp_path, policy_path, ca
     recipe.write_text(EVAL_RECIPE.split("  callbacks:")[0] + "model:" + EVAL_RECIPE.split("model:")[1])
     with pytest.raises(SystemExit, match="has no molt_lightning.callbacks.Evaluate"):
         main(["eval", "--config", str(recipe)])
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_exported_files_get_the_usual_mode(tmp_path, policy_path, mask, mode):
+    """save_pretrained leaves model.safetensors 0600 (a temporary file renamed); an export's files get what the
+    umask gives any new file: 0644 under 022, 0640 under 027."""
+    from transformers import AutoModelForCausalLM
+
+    from molt_lightning.commands.export import save_folder
+
+    old = os.umask(mask)
+    try:
+        out = save_folder(AutoModelForCausalLM.from_pretrained(policy_path), policy_path, str(tmp_path / "out"))
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir() if p.is_file()}
+    assert "model.safetensors" in modes and set(modes.values()) == {oct(mode)}, modes

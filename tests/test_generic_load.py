@@ -141,6 +141,22 @@ def test_on_the_cpu_serve_pins_float32_and_eager_unless_told():
     assert cmd.count("--dtype") == 1 and cmd[cmd.index("--dtype") + 1] == "bfloat16"
 
 
+def test_serve_answers_to_the_folder_policy_and_the_folders_name():
+    """`molt serve --policy runs/x/out/`: vLLM's own parser reads the folder as given (first: the name in responses),
+    `policy` (what docs/agents.md's clients send) and `out` as the served names; one given after `--` wins."""
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from molt_lightning.engines.vllm.server import server_command
+
+    parse = make_arg_parser(FlexibleArgumentParser()).parse_args
+    args = parse(server_command("runs/x/out/", "127.0.0.1", 8000, ["--max-model-len", "512"])[3:])
+    assert args.model == "runs/x/out/" and args.served_model_name == ["runs/x/out/", "policy", "out"]
+    args = parse(server_command("runs/x/out/", "127.0.0.1", 8000, ["--served-model-name", "mine"])[3:])
+    assert args.served_model_name == ["mine"]
+
+
 # ----- real vLLM on this CPU, on the generic path -----
 @contextmanager
 def generic_load(engine):

@@ -14,7 +14,8 @@ leave that seed out, or to go ahead). Each finding names the seed, the steps and
   - the same for columns that are not compared (infinite values, holes) and for mismatch spikes on fewer steps;
   - steps missing inside the run, a first step above 1 (is ``step_base`` right?), or steps logged twice with
     different values (recorded by ``import``: a resume from a checkpoint, or two launches in one file);
-  - step-time outliers: above 1.5x the median and 6 robust SDs (1.4826 x MAD) above it (validation, checkpoints);
+  - step-time outliers: above 1.5x the median and 6 robust SDs (1.4826 x MAD) above it (validation, checkpoints),
+    among the steps after the first (the first holds the warm-up: engine start, compilation, the first sync);
   - a reward with one value at three quarters of the steps or more (a run that does not learn, a reward that
     never fires);
   - seeds of very different lengths (the shortest below 80% of the longest): ``compare`` cuts every run there.
@@ -176,6 +177,10 @@ def _mismatch(seed: int, d: pd.DataFrame, col: str, low: float, high: float, wha
 
 
 def _outliers(seed: int, d: pd.DataFrame) -> list[Finding]:
+    # The run's first logged step is never an outlier, nor in the median: it holds the warm-up every run pays once
+    # (engine start and compilation, the first weight sync, allocator growth), so it was flagged in every molt run;
+    # `mean` summaries leave it out by their protocol's `warmup` instead.
+    d = d.sort_values("step").iloc[1:]
     v = d["step_time_s"].to_numpy(float)
     if v.size < 5:
         return []
@@ -185,7 +190,7 @@ def _outliers(seed: int, d: pd.DataFrame) -> list[Finding]:
     if not hit.any():
         return []
     return [Finding("warning", "step-time outliers", seed, f"step time at {_at(d['step'][hit])} is up to "
-                    f"{v[hit].max() / med:.2f}x the median {med:.4g} s (validation, checkpoints, warm-up?); `mean` "
+                    f"{v[hit].max() / med:.2f}x the median {med:.4g} s (validation, checkpoints?); `mean` "
                     "summaries include them", d["step"][hit].astype(int).tolist())]
 
 

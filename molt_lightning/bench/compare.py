@@ -137,10 +137,9 @@ def one_seed(a: list[float], b: list[float], margin: float, alpha: float, power:
     if several:
         sd = float(np.std(several[0], ddof=1))
         need = stats.seeds_needed(diff, sd, margin, alpha, power)
-        many = lambda n: "more than 10000" if n >= stats.MAX_SEEDS else str(n)  # noqa: E731
         return (line + f". With the seed SD the other side shows ({_f(sd, 3)}), seeds per side for {power:.0%} power: "
-                f"to show this difference {many(need['diff'])}, to show equivalence within +-{_f(margin, 3)} "
-                f"{many(need['equiv'])}")
+                f"to show this difference {stats.seeds_text(need['diff'])}, to show equivalence within "
+                f"+-{_f(margin, 3)} {stats.seeds_text(need['equiv'])}")
     sds = ", ".join(f"{n}: {stats.min_detectable(n, 1.0, alpha, power):.1f}" for n in (3, 5, 10, 20))
     return line + (f"; with n seeds per side Welch detects (at {power:.0%} power) differences of about k seed SDs, "
                    f"n: k = {sds}. The curves are drawn side by side in the report")
@@ -190,8 +189,9 @@ def text_report(a: RunSet, b: RunSet, allowed: list, results: list[MetricResult]
                       f"  P(A better than B) = {_f(c.prob_improvement, 3)} [{_f(c.prob_improvement_ci[0], 3)}, "
                       f"{_f(c.prob_improvement_ci[1], 3)}]",
                       f"  power: {c.n_a} vs {c.n_b} seeds detect a difference of {_f(c.min_detectable_diff, 3)} with "
-                      f"80% power; seeds per side for 80% power: to show this difference {c.seeds_for_diff}, to show "
-                      f"equivalence within +-{_f(c.margin, 3)} {c.seeds_for_equiv}"]
+                      f"80% power; seeds per side for 80% power: to show this difference "
+                      f"{stats.seeds_text(c.seeds_for_diff)}, to show equivalence within +-{_f(c.margin, 3)} "
+                      f"{stats.seeds_text(c.seeds_for_equiv)}"]
         if r.spec.threshold is not None:
             for side, t in (("A", r.threshold_a), ("B", r.threshold_b)):
                 hit = [v for v in t.values() if not math.isnan(v)]

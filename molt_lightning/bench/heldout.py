@@ -20,7 +20,8 @@ from .stats import compare
 
 
 def load(paths: list[Path]) -> tuple[dict, dict]:
-    """(before, after) rounds: ``{"k", "version", "metrics", "per_prompt"}`` each."""
+    """(before, after) rounds: ``{"k", "metrics", "per_prompt"}`` each, with ``"version"`` (a run's round) or
+    ``"policy"`` (a ``molt eval --out`` file), and ``"file"`` for a file."""
     if len(paths) == 1 and paths[0].is_dir():
         log = paths[0] / "eval.jsonl"
         if not log.exists():
@@ -30,7 +31,7 @@ def load(paths: list[Path]) -> tuple[dict, dict]:
             raise ValueError(f"{log} holds {len(rounds)} round(s): before/after needs the first and the last")
         return rounds[0], rounds[-1]
     if len(paths) == 2:
-        return tuple(json.loads(p.read_text()) for p in paths)
+        return tuple({**json.loads(p.read_text()), "file": str(p)} for p in paths)
     raise ValueError("give one run folder (its eval.jsonl) or two `molt eval --out` files (before, after)")
 
 
@@ -52,8 +53,16 @@ def heldout(paths: list[Path], margin: float = 0.05) -> str:
         verdicts.append(f"{source}: avg@{k} {c.mean_b:.3f} -> {c.mean_a:.3f} ({c.diff:+.3f}, 95% CI "
                         f"[{c.diff_ci[0]:+.3f}, {c.diff_ci[1]:+.3f}], {c.n_a} prompts): {verdict} "
                         f"(Welch p={c.welch_p:.2g}, margin +-{margin})")
-    where = [f"before: version {before.get('version', '?')}", f"after: version {after.get('version', '?')}"]
+    where = [f"before: {_label(before)}", f"after: {_label(after)}"]
     return "\n".join([", ".join(where), "", *lines, "", *verdicts])
+
+
+def _label(side: dict) -> str:
+    """A run's round by its policy version; a `molt eval --out` file (no version) by its name and the policy it
+    evaluated."""
+    if "version" in side:
+        return f"version {side['version']}"
+    return f"{side.get('file', '?')} (policy {side.get('policy', '?')})"
 
 
 def _cell(m: dict, name: str) -> str:

@@ -145,7 +145,7 @@ def text_report(c: PublishedComparison, power: float = stats.POWER) -> str:
     """The same lines as ``molt-bench compare`` prints for a metric, less what needs per-run values."""
     rel = f" = {100 * c.margin_rel:.4g}% of B's mean" if c.margin_rel is not None else ""
     pct = lambda x: f" ({100 * x / abs(c.mean_b):.3g}% of B's mean)" if c.mean_b else ""  # noqa: E731
-    many = lambda n: "more than 10000" if n >= stats.MAX_SEEDS else str(n)  # noqa: E731
+    many = stats.seeds_text
     conf, conf2 = f"{100 * (1 - c.alpha):.0f}%", f"{100 * (1 - 2 * c.alpha):.0f}%"
     lines = [f"A: {c.name_a}  {_f(c.mean_a)} +- {_f(c.sd_a, 3)} over {c.n_a} runs (published mean, SD, runs)",
              f"B: {c.name_b}  {_f(c.mean_b)} +- {_f(c.sd_b, 3)} over {c.n_b} runs",

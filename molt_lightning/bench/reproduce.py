@@ -1,13 +1,16 @@
 """``molt-bench reproduce NAME``: re-run a result the READMEs report and write the reproduction next to it.
 
-The results live in ``benchmarks/reported.yaml``: per name, where it is reported, the commands that make it, the
+The results live in ``benchmarks/reported.yaml``: per name, where it is reported (``where``: one ``FILE#anchor`` or a
+list, the anchor a heading's GitHub slug; ``what``: which table there), the commands that make it, the
 numbers as reported (verbatim) and how to read the reproduced ones (``extract``). ``reproduce`` runs the commands
 from the repository root (``{out}`` is the output folder, ``{real_logs}`` the real-logs folder), keeps their output,
 and writes ``OUT/report.md``: the reported block, the reproduced numbers, the commands with their exit status and
-wall time, and the environment (package versions, git revision, machine). It works the same inside a container.
+wall time, and the environment (package versions, git revision, the machine: CPU model, CPUs, GPU; the date). It
+works the same inside a container.
 
 Extractors: ``recipe`` (a training run's ``metrics.csv``: reward over step windows, first step where the 5-step
-mean reaches a threshold, median s/step and tokens/s, lag, stale drops), ``compare`` (a molt-bench
+mean reaches a threshold, median s/step and tokens/s, lag, stale drops; with ``heldout: true`` also the held-out
+avg@k at the first and the last round of its ``eval.jsonl``), ``compare`` (a molt-bench
 ``summary.json``: per metric means and the verdict), ``stdout`` (the last lines the commands printed: the benchmark
 scripts print their tables).
 """
@@ -39,8 +42,18 @@ def registry(path: Path = REGISTRY) -> dict[str, dict]:
         raise RunSetError(f"cannot read the registry of reported results {path}: {e}") from e
 
 
+def locations(entry: dict) -> list[str]:
+    """Where an entry is reported: ``FILE`` or ``FILE#anchor`` (a heading's GitHub slug), from the repository root."""
+    where = entry["where"]
+    return [where] if isinstance(where, str) else list(where)
+
+
+def _where(entry: dict) -> str:
+    return ", ".join(locations(entry)) + (f" ({entry['what']})" if entry.get("what") else "")
+
+
 def listing(path: Path = REGISTRY) -> str:
-    return "\n".join(f"{name:26s} ~{e.get('minutes', '?')} min  {e['where']}" for name, e in registry(path).items())
+    return "\n".join(f"{name:26s} ~{e.get('minutes', '?')} min  {_where(e)}" for name, e in registry(path).items())
 
 
 def reproduce(name: str, out: Path | None = None, path: Path = REGISTRY, log=print) -> Path:
@@ -115,8 +128,23 @@ def from_recipe(spec: dict, printed: str) -> str:
                 v = df[col].median() if "median" in what else (df[col].max() if "drops" in what else df[col].mean())
                 cells.append(f"{what} {v:{fmt}}")
         cells.append(f"steps {int(df['step'].max()) + 1}")
+        if spec.get("heldout"):
+            cells += heldout(Path(found[-1]).parent / "eval.jsonl")
         rows.append(" | ".join(cells))
     return "\n".join(rows)
+
+
+def heldout(log: Path) -> list[str]:
+    """Per source, avg@k with its 95% interval at ``Evaluate``'s first round (before the first step) and its last
+    (after the last step), from the run folder's eval.jsonl."""
+    rounds = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    if len(rounds) < 2:
+        raise ValueError(f"{log} holds {len(rounds)} evaluation round(s): before -> after needs two")
+    first, last = rounds[0], rounds[-1]
+    name = f"avg@{last['k']}"
+    cell = lambda r, m: f"{m[name]:.3f} [{m[name + '_lo']:.3f}, {m[name + '_hi']:.3f}] (version {r['version']})"  # noqa: E731
+    return [f"held-out {name} (source {source}) {cell(first, first['metrics'][source])} -> {cell(last, m)}"
+            for source, m in last["metrics"].items()]
 
 
 def from_compare(spec: dict, printed: str) -> str:
@@ -141,15 +169,15 @@ def _report(name: str, entry: dict, ran: list[dict], reproduced: str) -> str:
     machine = env["machine"]
     commands = "\n".join(f"{r['command']}    # exit {r['status']}, {r['wall_s']} s" for r in ran)
     return "\n".join([
-        f"# molt-bench reproduce {name}", "", f"Reported in {entry['where']}.", "",
+        f"# molt-bench reproduce {name}", "", f"Reported in {_where(entry)}.", "",
         "## Reported", "", "```", entry["reported"].rstrip(), "```", "",
         "## Reproduced", "", "```", reproduced, "```", "",
         "## Commands", "", "```", commands, "```", "",
         "## Environment", "",
-        f"- machine: {machine['processor']}, {machine['cpus']} CPUs, {machine.get('accelerator', '?')} "
-        f"({machine['platform']}, host {machine['hostname']})",
+        f"- machine: {machine['processor']}, {machine['cpus']} CPUs ({machine.get('cpus_usable', '?')} usable), "
+        f"{machine.get('accelerator', 'no CUDA GPU')} ({machine['platform']}, host {machine['hostname']})",
+        f"- date: {env['created']}",
         f"- git: {env['git']['revision']}{' (dirty)' if env['git']['dirty'] else ''}",
-        "- packages: " + ", ".join(f"{k} {v}" for k, v in env["packages"].items()),
-        f"- created {env['created']}", "",
+        "- packages: " + ", ".join(f"{k} {v}" for k, v in env["packages"].items()), "",
         "Times and throughputs reproduce only on a machine of the reported kind (2 cores, 24 GiB, no GPU); rewards "
         "and verdicts should agree within seed noise anywhere.", ""])

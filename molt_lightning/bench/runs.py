@@ -114,12 +114,34 @@ def environment(probe_accelerator: bool = True) -> dict:
         "python": sys.version.split()[0],
         "packages": versions,
         "git": git_revision(),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "hostname": platform.node(),
+        "machine": {"platform": platform.platform(), "processor": cpu_model(), "cpus": os.cpu_count(),
+                    "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                    "hostname": platform.node(),
                     **(_accelerator() if probe_accelerator else {})},
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": sys.argv,
     }
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name ("AMD EPYC 7B13", "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz"): /proc/cpuinfo's
+    ``model name`` (``Model`` or ``Hardware`` on ARM), else lscpu's ``Model name``, else the architecture.
+    ``platform.processor()`` is empty on Linux, so it is the last resort, not the first."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, sep, value = line.partition(":")
+            if sep and key.strip() in ("model name", "Model", "Hardware") and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        name = next((v.strip() for k, _, v in (x.partition(":") for x in out.splitlines()) if k == "Model name"), "")
+        if name:
+            return name
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.processor() or platform.machine()
 
 
 def git_revision() -> dict:

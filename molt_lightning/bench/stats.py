@@ -186,8 +186,13 @@ def verdict(diff: float, welch_p: float, tost_p: float, goal: str, margin: float
         return "comparable", f"comparable within +-{d}"
     if welch_p < alpha:
         return better, better
-    many = "more than 10000" if n_needed >= MAX_SEEDS else f"about {n_needed}"
+    many = seeds_text(n_needed) if n_needed >= MAX_SEEDS else f"about {n_needed}"
     return "inconclusive", f"inconclusive: {many} seeds per side needed"
+
+
+def seeds_text(n: int) -> str:
+    """A seed count from ``seeds_needed`` as printed: its cap ``MAX_SEEDS`` means unreachable, "more than 10000"."""
+    return f"more than {MAX_SEEDS}" if n >= MAX_SEEDS else str(n)
 
 
 def check_goal_margin(goal: str, margin: float) -> None:

@@ -91,12 +91,30 @@ def save_folder(lm: torch.nn.Module, base: str, out: str) -> Path:
 
     out_path = Path(out)
     out_path.mkdir(parents=True, exist_ok=True)
+    before = {p: p.stat().st_ino for p in out_path.rglob("*") if p.is_file()}
     lm.save_pretrained(out_path)
     AutoTokenizer.from_pretrained(base).save_pretrained(out_path)
     processor = load_processor(base)
     if processor is not None:
         processor.save_pretrained(out_path)
+    # save_pretrained writes the weights through a temporary file renamed into place, which keeps mkstemp's 0600: give
+    # every file written here (new, or replaced: a new inode) the mode any new file gets, 0644 under umask 022
+    mode = 0o666 & ~umask()
+    for p in out_path.rglob("*"):
+        if p.is_file() and before.get(p) != p.stat().st_ino:
+            p.chmod(mode)
     return out_path
+
+
+def umask() -> int:
+    """The process's umask, read without changing it (/proc/self/status; elsewhere set and restored at once)."""
+    try:
+        return int(next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("Umask:"))
+                   .split()[1], 8)
+    except (OSError, StopIteration):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 def load_exactly(lm: torch.nn.Module, weights: dict[str, torch.Tensor], ckpt: str) -> None:

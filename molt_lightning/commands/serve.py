@@ -9,7 +9,9 @@ extension (weight loads through ``/collective_rpc``), processed logprobs, the to
 ``/update_weight_version``, ``/reset_prefix_cache``, ``/collective_rpc``), ``Guard``, and the dtype and eager mode
 vLLM's platform needs (float32 and ``--enforce-eager`` on the CPU; vLLM's own choice elsewhere; a ``--dtype`` or
 ``--enforce-eager`` after ``--`` wins), and a sampling seed of its own (``--seed``; by default a random one, printed:
-servers seeded alike sample the same completions wherever requests carry no seed, as on vLLM's CPU platform).
+servers seeded alike sample the same completions wherever requests carry no seed, as on vLLM's CPU platform). It
+answers to the model names ``DIR`` as given (first: the name in its responses), ``policy`` and the folder's name
+(``engines.vllm.server.served_names``), as a run's endpoint does.
 
 ``--nccl`` (GPU servers) also enables vLLM's NCCL weight-transfer engine (``--weight-transfer-config
 {"backend": "nccl"}``), for ``RemoteVLLMEngine(channel="nccl")``: the trainer joins the server's workers in an NCCL

@@ -15,7 +15,10 @@ failed) scores 0 and is counted as ``failed``.
   reports answers;
 - each with a 95% interval: the mean of the per-prompt values +- t(0.975, n-1) * SD / sqrt(n), the prompt being the
   unit (a central-limit interval over clustered samples, as in Miller 2024, "Adding Error Bars to Evals"); with every
-  prompt scoring the same it collapses to a point, which says more about the prompt count than about certainty;
+  prompt scoring the same it collapses to a point, which says more about the prompt count than about certainty. The
+  interval is cut to [0, 1] for pass@j and maj@k (shares: near 1 the normal interval ran to 1.013), and for avg@k
+  when every reward of the round lies in [0, 1] (the shipped verifiers' range): the true value lies in [0, 1], so the
+  cut only drops values it cannot take, and the coverage stays what it was;
 - ``version_min`` / ``version_max``: the policy versions that sampled the round's tokens. Weights change during a
   round that runs beside training (in-flight updates), so a periodic round measures the versions it names, not one.
 
@@ -69,8 +72,10 @@ def majority_correct(answers: list[str | None], correct: list[bool]) -> bool:
     return any(c for a, c in zip(answers, correct) if a == top)
 
 
-def interval(values: Iterable[float], level: float = LEVEL) -> tuple[float, float, float]:
-    """(mean, low, high): a t interval over ``values`` (one per prompt)."""
+def interval(values: Iterable[float], level: float = LEVEL,
+             bounds: tuple[float, float] = (-math.inf, math.inf)) -> tuple[float, float, float]:
+    """(mean, low, high): a t interval over ``values`` (one per prompt), cut to ``bounds``, the range the estimated
+    mean can take (a share: (0, 1))."""
     from scipy import stats
 
     x = np.asarray(list(values), dtype=float)
@@ -78,7 +83,7 @@ def interval(values: Iterable[float], level: float = LEVEL) -> tuple[float, floa
     if len(x) < 2:
         return mean, float("nan"), float("nan")
     half = float(stats.t.ppf(0.5 + level / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
-    return mean, mean - half, mean + half
+    return mean, max(mean - half, bounds[0]), min(mean + half, bounds[1])
 
 
 def by_prompt(outcomes: list[Outcome]) -> dict[str, dict[int, list[Outcome]]]:
@@ -100,9 +105,12 @@ def summarize(outcomes: list[Outcome], k: int) -> dict[str, dict[str, float]]:
         if any(o.answer is not None for r in runs for o in r):
             per_prompt[f"maj@{k}"] = [float(majority_correct([o.answer for o in r], [o.correct for o in r]))
                                       for r in runs]
+        rewards_in_unit = all(0.0 <= o.reward <= 1.0 for r in runs for o in r)
         metrics: dict[str, float] = {}
         for name, values in per_prompt.items():
-            metrics[name], metrics[f"{name}_lo"], metrics[f"{name}_hi"] = interval(values)
+            share = not name.startswith("avg@") or rewards_in_unit
+            metrics[name], metrics[f"{name}_lo"], metrics[f"{name}_hi"] = interval(
+                values, bounds=(0.0, 1.0) if share else (-math.inf, math.inf))
         versions = [o.versions for r in runs for o in r if o.versions is not None]
         metrics.update(prompts=float(len(runs)), failed=float(sum(o.failed is not None for r in runs for o in r)),
                        version_min=float(min((v[0] for v in versions), default=-1)),

@@ -72,6 +72,17 @@ def test_non_finite_missing_steps_and_outliers():
     assert any("the first step is 10" in x.message for x in check.check_seed(0, late, ["reward"]))
 
 
+def test_the_first_step_is_warm_up_not_an_outlier():
+    """A molt run's step 1 holds the engine warm-up and the first sync (here 8x the others): no warning for it; a
+    slow step later still is one."""
+    y = np.linspace(0.1, 0.5, 30)
+    st = np.r_[8.0, np.full(29, 1.0)] + np.tile([0.0, 0.01, 0.02], 10)  # a little spread for the MAD
+    assert "step-time outliers" not in {x.check for x in check.check_seed(0, frame(y, st), ["reward"])}
+    st[14] = 8.0
+    (outliers,) = [x for x in check.check_seed(0, frame(y, st), ["reward"]) if x.check == "step-time outliers"]
+    assert outliers.steps == [15]
+
+
 def test_mismatch_ranges():
     n = 30
     spikes = np.full(n, 1.02)

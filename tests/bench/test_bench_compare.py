@@ -88,3 +88,13 @@ def test_time_to_threshold_gets_a_verdict(tmp_path, smoke_protocol, make_runset)
         compare.compare_runsets(never, fast, ["reward"], summary="ttt")
     _, _, _, (lower,) = compare.compare_runsets(never, fast, ["reward"], summary="ttt", threshold=0.1)
     assert lower.values_a[1] == 10  # 0.2 * step / 20 reaches 0.1 at step 10
+
+
+def test_an_unreachable_seed_count_reads_more_than_10000(tmp_path, smoke_protocol, make_runset):
+    """|difference| >= margin: no seed count shows equivalence; the power line says "more than 10000" as the
+    verdict rule (README) does, not the cap itself."""
+    a = make_runset(tmp_path, "a", [0.5, 0.7, 0.6], smoke_protocol)
+    b = make_runset(tmp_path, "b", [0.45, 0.65, 0.55], smoke_protocol)
+    text = compare.text_report(*compare.compare_runsets(a, b, ["reward"], margin="0.01"))
+    power = next(line for line in text.splitlines() if "seeds per side for 80% power" in line)
+    assert power.endswith("to show equivalence within +-0.01 more than 10000"), power

@@ -45,6 +45,19 @@ def test_two_eval_files_and_a_null_difference(tmp_path):
     assert "comparable within +-0.05" in text
 
 
+def test_two_eval_files_are_named_by_file_and_policy(tmp_path):
+    """`molt eval --out` files hold a policy, no version: the header names each file and its policy."""
+    correct = np.array([1, 2, 3, 4, 0, 2])
+    for name, policy in (("before", "HuggingFaceTB/SmolLM2-135M"), ("after", "out/")):
+        record = round_record(0, correct)
+        del record["version"], record["step"]
+        (tmp_path / f"{name}.json").write_text(json.dumps({**record, "policy": policy}))
+    text = heldout([tmp_path / "before.json", tmp_path / "after.json"])
+    assert text.splitlines()[0] == (f"before: {tmp_path / 'before.json'} (policy HuggingFaceTB/SmolLM2-135M), "
+                                    f"after: {tmp_path / 'after.json'} (policy out/)")
+    assert "?" not in text.splitlines()[0]
+
+
 def test_what_it_needs_is_named(tmp_path):
     with pytest.raises(ValueError, match="holds no eval.jsonl"):
         heldout([tmp_path])

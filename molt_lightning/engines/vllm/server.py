@@ -33,16 +33,24 @@ def server_command(policy: str, host: str, port: int, extra: list[str] = (), see
     """The server's command line (vLLM's OpenAI server; on the CPU platform through ``main``, which keeps the model
     worker in the engine core's process: ``cpu.one_process``); the platform's dtype and eager mode (``cpu.defaults``)
     unless ``extra`` sets them; the engine's sampling seed (``--seed``: servers seeded alike sample the same completions
-    where requests carry no seed of their own)."""
+    where requests carry no seed of their own); the names it answers to (``served_names``)."""
     platform = cpu.defaults()
     chosen = ([] if "--dtype" in extra or "dtype" not in platform else ["--dtype", platform["dtype"]]) + \
         (["--enforce-eager"] if platform.get("enforce_eager") and "--enforce-eager" not in extra else [])
     module = "molt_lightning.engines.vllm.server" if platform else SERVER  # on the CPU: main() below
-    return [sys.executable, "-m", module, "--model", policy, "--host", host, "--port", str(port), *chosen,
+    names = [] if "--served-model-name" in extra else ["--served-model-name", *served_names(policy)]
+    return [sys.executable, "-m", module, "--model", policy, *names, "--host", host, "--port", str(port), *chosen,
             "--logprobs-mode", "processed_logprobs", "--enable-scale-out", "--worker-extension-cls", WORKER,
             "--middleware", GUARD, "--disable-log-stats", "--enable-server-load-tracking", "--uvicorn-log-level",
             "warning",
             *([] if seed is None or "--seed" in extra else ["--seed", str(seed)]), *extra]
+
+
+def served_names(policy: str) -> list[str]:
+    """The model names a server answers to, as a run's endpoint does (``agents/sessions.py``): the folder as given
+    (first: vLLM puts it in every response and first in ``/v1/models``), ``policy``, and the folder's own name
+    (``out/`` -> ``out``). vLLM serves any of them; ``--served-model-name`` after ``--`` replaces them."""
+    return list(dict.fromkeys([policy, "policy", os.path.basename(policy.rstrip("/")) or policy]))
 
 
 def server_env(api_key: str | None = None, cpu_threads: str | None = None) -> dict[str, str]:
