@@ -1,6 +1,6 @@
 # The two entry points of the README, and the edit loop's tier. Each sets up .venv first (scripts/setup.sh,
 # idempotent): `make train` only what the default run needs, `make test` and `make test-fast` the test tools too.
-.PHONY: setup setup-test train test test-fast bench
+.PHONY: setup setup-test train test test-fast bench docs-long
 export HF_HUB_OFFLINE := 1
 
 setup:
@@ -27,6 +27,11 @@ test: setup-test
 # The edit loop's tier: the unit and pure tests, no real engine start, nothing over 1.5 s (the `slow` marker).
 test-fast: setup-test
 	.venv/bin/python -m pytest -q -ra -m "not slow" -n 2 $(PYTEST_ARGS)
+
+# The docs' commands that the suite lists instead of running (tests/test_docs_run.py's LISTED, "long"), as written:
+# the long runs (SmolLM2, two ranks for 100 steps, the default run's reproduction, ...): an hour or more on 2 cores.
+docs-long: setup-test
+	MOLT_DOCS_LONG=1 .venv/bin/python -m pytest -q -ra tests/test_docs_run.py -k listed_blocks_run_as_written $(PYTEST_ARGS)
 
 bench: setup-test
 	.venv/bin/python benchmarks/loop_overlap.py

