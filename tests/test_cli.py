@@ -148,3 +148,24 @@ def test_molt_sft_without_a_logger_keeps_its_checkpoints_and_config_in_a_run_fol
         checkpoint.setup(cli.trainer, cli.model, "fit")
         for path in checkpoint.dirpath, cli.trainer.log_dir:
             assert Path(path).resolve().is_relative_to(folder), (extra, path)
+
+
+def test_molt_help_lists_every_command_and_a_word_that_is_none_names_them(capsys):
+    """``molt --help`` and ``molt`` alone list fit, eval, export, serve and sft, one line each; LightningCLI's validate,
+    test and predict (no such steps in AsyncRLModule: ``molt validate`` ended in a Lightning traceback) are refused
+    with the commands there are, as is any other word."""
+    from molt_lightning.commands.cli import COMMANDS, main, molt_cli
+
+    assert list(COMMANDS) == ["fit", "eval", "export", "serve", "sft"]
+    for argv, code in (["--help"], 0), ([], 2):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        out = capsys.readouterr().out
+        assert e.value.code == code and all(f"\n  {name} " in out for name in COMMANDS), out
+    for word in "validate", "test", "predict", "nope":
+        with pytest.raises(SystemExit) as e:
+            main([word, "--config", "recipes/default.yaml"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err == f"molt: no command {word!r}: the commands are fit, eval, export, serve, " \
+            "sft (`molt --help` says what each does)\n"
+    assert list(molt_cli().subcommands()) == ["fit"]

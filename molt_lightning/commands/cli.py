@@ -10,7 +10,9 @@ directory. On a terminal (or with ``MOLT_QUIET=1``) that is all the terminal sho
 (``callbacks.checkpoint.AtomicCheckpointIO``), unless the recipe brings its own ``CheckpointIO``. ``molt serve`` starts
 a vLLM server for ``RemoteVLLMEngine``/``EnginePool`` (``molt_lightning.commands.serve``); ``molt export`` writes a
 checkpoint as a Hugging Face folder (``molt_lightning.commands.export``); ``molt eval`` runs a recipe's ``Evaluate``
-alone on a policy folder or a checkpoint (``evaluate_main``).
+alone on a policy folder or a checkpoint (``evaluate_main``). ``molt --help`` lists the commands (``COMMANDS``);
+LightningCLI's ``validate``, ``test`` and ``predict`` are left out (``AsyncRLModule`` has no such steps), and a word that
+is no command is answered with the ones there are.
 
 A bad recipe is answered before anything starts, with the problem and its fix and no traceback: jsonargparse's
 parse errors (YAML syntax, unknown keys, wrong types, dotted paths that do not import or are the wrong kind of
@@ -51,6 +53,13 @@ EXAMPLES = {  # what a parser key takes, for the fix line of its errors
                          "(e.g. lightning.pytorch.callbacks.ModelCheckpoint, molt_lightning.callbacks.RolloutSamples)",
     "trainer.logger": "a Lightning logger class (e.g. lightning.pytorch.loggers.CSVLogger) or false",
     "trainer.plugins": "Lightning plugins (e.g. a CheckpointIO class)",
+}
+COMMANDS = {  # molt's commands, one line each (`molt --help`); LightningCLI's validate/test/predict are not among them
+    "fit": "train a policy with RL on a recipe (molt fit --config recipes/default.yaml)",
+    "eval": "a recipe's held-out evaluation alone, on a policy folder or a checkpoint (molt eval --config RECIPE)",
+    "export": "a checkpoint of molt fit as a Hugging Face folder (molt export CKPT OUT)",
+    "serve": "a vLLM server for RemoteVLLMEngine and EnginePool (molt serve --policy FOLDER)",
+    "sft": "supervised fine-tuning on conversations (molt sft --config recipes/sft_tiny.yaml)",
 }
 _UNKNOWN = re.compile(r"does not accept option '([^']+)'|unrecognized arguments: (\S+)|Option '([^']+)' is not acc")
 
@@ -171,8 +180,21 @@ def _name(fn) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
 
 
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    return "usage: molt COMMAND [options]   (molt COMMAND --help: its options)\n\ncommands:\n" + "\n".join(
+        f"  {name:<{width}}  {what}" for name, what in COMMANDS.items())
+
+
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
+    if argv[:1] in ([], ["-h"], ["--help"]):  # `molt` alone: the commands too, but it is a usage error
+        print(usage())
+        sys.exit(0 if argv else 2)
+    if not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        print(f"molt: no command {argv[0]!r}: the commands are {', '.join(COMMANDS)} (`molt --help` says what each "
+              "does)", file=sys.stderr)
+        sys.exit(2)
     if argv[:1] == ["serve"]:  # `molt serve`: a vLLM server for the remote engine (molt_lightning.commands.serve)
         from .serve import main as serve
 
@@ -237,6 +259,10 @@ def molt_cli(quiet: list | None = None):
     quiet = [] if quiet is None else quiet
 
     class MoltCLI(LightningCLI):
+        @staticmethod
+        def subcommands() -> dict[str, set[str]]:  # fit only: AsyncRLModule has no validation, test or predict step
+            return {"fit": LightningCLI.subcommands()["fit"]}
+
         def before_instantiate_classes(self) -> None:
             if self.subcommand is not None:
                 with self._answered():
