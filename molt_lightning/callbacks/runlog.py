@@ -9,10 +9,11 @@ exists (Trainer set-up) goes to a temporary file and is copied to ``molt.log`` i
 a failure the terminal gets the log's last lines and its path. ``MOLT_QUIET=1`` / ``0`` forces it on / off; by default
 it is on when standard output is a terminal.
 
-``RunSummary`` prints what a user wants after a run: steps and time, the reward at the start and at the end, the agent
-runs that finished and what became of them (trained, failed, dropped, or still waiting when the run ended), the share
-of duplicate completions when it reaches ``DUPLICATES_NOTED`` in the first steps (``samples/duplicates``: a policy that
-has converged repeats itself, one that has just started should not), and where everything was written. Written by
+``RunSummary`` prints what a user wants after a run: steps and time, the reward at the start and at the end (in windows
+that never overlap: on a short run each is at most half of it), the agent runs that finished and what became of them
+(trained, failed, dropped, or still waiting when the run ended), the share of duplicate completions when it reaches
+``DUPLICATES_NOTED`` in the first steps (``samples/duplicates``: engines sharing one random stream, or a policy already
+sure of its answers, such as a warm start), and where everything was written (the files that are there). Written by
 hand: Lightning has no run summary, and file-descriptor redirection is a few ``os.dup2`` calls.
 """
 
@@ -40,6 +41,7 @@ def unlogged_root(trainer: dict) -> dict:
 
 
 DUPLICATES_NOTED = 0.25  # the summary names samples/duplicates from this share in the first steps up
+WRITTEN = ("metrics.csv", "eval.jsonl", "reward.png", "config.yaml", "molt.log", "checkpoints")  # named if there
 
 
 def wants_quiet() -> bool:
@@ -116,9 +118,15 @@ class RunSummary(L.Callback):
         if stage == "fit" and trainer.global_rank == 0 and self.step_times:
             print(self.text(trainer), file=self.out or sys.stdout, flush=True)
 
-    def _ends(self, values: list[float]) -> tuple[float, float]:
-        """The mean of the first ``first`` and of the last ``last`` values."""
-        return statistics.fmean(values[:self.first]), statistics.fmean(values[-self.last:])
+    def _ends(self, values: list[float]) -> tuple[float, str, float, str] | None:
+        """The mean of the first ``first`` and of the last ``last`` values, each with its steps, in windows that never
+        overlap (each at most half of a short run); None when there are fewer than two values."""
+        n = len(values)
+        f = min(self.first, n // 2)
+        if f == 0:
+            return None
+        k = min(self.last, n - f)
+        return statistics.fmean(values[:f]), f"steps 0-{f - 1}", statistics.fmean(values[-k:]), f"steps {n - k}-{n - 1}"
 
     def text(self, trainer) -> str:
         m = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("samples/")}
@@ -126,11 +134,10 @@ class RunSummary(L.Callback):
         head = (f"molt: {n} steps in {_clock(sum(self.step_times))} ({statistics.median(self.step_times):.3g} s/step "
                 f"median); {_clock(time.perf_counter() - self.started)} in all, start-up included")
         lines = [head]
-        if r:
-            first, last = self._ends(r)
-            k = min(self.last, len(r))
-            lines.append(f"  mean reward {first:.2f} (steps 0-{min(self.first, len(r)) - 1})"
-                         f" -> {last:.2f} (steps {len(r) - k}-{len(r) - 1})")
+        if ends := self._ends(r):
+            lines.append("  mean reward {:.2f} ({}) -> {:.2f} ({})".format(*ends))
+        elif r:
+            lines.append(f"  reward {r[0]:.2f} (step 0)")
         names = ("finished", "trained", "failed", "dropped_stale_samples", "dropped_filtered_samples",
                  "dropped_empty_groups")
         total = {k: int(m.get(f"samples/{k}_total", 0)) for k in names}
@@ -140,15 +147,21 @@ class RunSummary(L.Callback):
                      f"{dropped} dropped ({total['dropped_stale_samples']} stale, "
                      f"{total['dropped_filtered_samples']} filtered), {left} not trained when the run ended; "
                      f"{total['dropped_empty_groups']} groups had no usable sample")
-        if self.duplicates and (d := self._ends(self.duplicates))[0] >= DUPLICATES_NOTED:  # early: not convergence
-            lines.append(f"  duplicates: {d[0]:.0%} of a group's completions repeated another one in steps 0-"
-                         f"{min(self.first, n) - 1} ({d[1]:.0%} in the last {min(self.last, n)}): a group then holds "
-                         "fewer distinct samples; do the engines sample streams of their own? (docs/engines.md, "
-                         "seeds)")
+        if (d := self._ends(self.duplicates)) and d[0] >= DUPLICATES_NOTED:  # early: not convergence
+            lines.append(f"  duplicates: {d[0]:.0%} of a group's completions repeated another one in {d[1]} ({d[2]:.0%} "
+                         f"in {d[3]}): a group then holds fewer distinct samples. A policy sure of its answers (a warm "
+                         "start, e.g. after molt sft) repeats itself; otherwise, do the engines sample streams of "
+                         "their own? (docs/engines.md, seeds)")
         if trainer.logger is not None:  # (not trainer.log_dir: a collective, and only rank 0 is here)
             lines += _held_out(trainer.logger.log_dir)
-            lines.append(f"  run folder: {trainer.logger.log_dir} (metrics.csv, reward.png, config.yaml)")
+            lines.append(f"  run folder: {trainer.logger.log_dir}{_written(trainer.logger.log_dir)}")
         return "\n".join(lines)
+
+
+def _written(log_dir: str | None) -> str:
+    """The files of ``WRITTEN`` that are in ``log_dir``, as " (a, b)"."""
+    there = [name for name in WRITTEN if os.path.exists(os.path.join(log_dir or "", name))]
+    return f" ({', '.join(there)})" if there else ""
 
 
 def _held_out(log_dir: str | None) -> list[str]:
