@@ -169,3 +169,24 @@ def test_molt_help_lists_every_command_and_a_word_that_is_none_names_them(capsys
         assert e.value.code == 2 and err == f"molt: no command {word!r}: the commands are fit, eval, export, serve, " \
             "sft (`molt --help` says what each does)\n"
     assert list(molt_cli().subcommands()) == ["fit"]
+
+
+def test_quiet_molt_eval_shows_a_bar_and_a_table_and_logs_the_rest_beside_its_out(tmp_path):
+    """``molt eval`` printed one line per source; now a table (metric, value, 95% interval), and with ``MOLT_QUIET=1``
+    (as on a terminal) only a progress bar and that table show, Lightning's lines going to OUT.log beside ``--out``."""
+    from test_export import EVAL_RECIPE
+
+    (tmp_path / "eval.yaml").write_text(EVAL_RECIPE)
+    out = subprocess.run([sys.executable, "-m", "molt_lightning.commands.cli", "eval", "--config",
+                          str(tmp_path / "eval.yaml"), "--out", str(tmp_path / "e.json")], cwd=ROOT,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "MOLT_QUIET": "1"}, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    shown, log = out.stdout + out.stderr, (tmp_path / "e.log").read_text()
+    assert "GPU available" in log and "GPU available" not in shown and f"full log in {tmp_path / 'e.log'}" in shown
+    lines = shown.splitlines()
+    head = lines.index("source   metric  value  95% interval")
+    assert [line.split()[:2] for line in lines[head + 1:head + 4]] == [["heldout", "avg@2"], ["heldout", "pass@1"],
+                                                                      ["heldout", "pass@2"]]
+    assert "heldout: 6 prompts x 2 runs, 0 failed" in shown and "Eval" in shown and "12/12" in shown
+    assert len(lines) <= 12, shown

@@ -1,5 +1,5 @@
-"""A quiet terminal for ``molt fit``: the progress bar and a short summary on the terminal, the full log in the run
-folder.
+"""A quiet terminal for ``molt fit``, ``molt sft``, ``molt eval`` and a script's own Trainer: the progress bar and a
+short summary on the terminal, the full log in the run folder (``quieted``, ``terminal_callbacks``, ``script_terminal``).
 
 ``QuietTerminal`` moves file descriptors 1 and 2 (so the vLLM engine process, C++ warnings and Python's ``warnings``
 follow, not only Python's ``sys.stdout``) into a log file, and keeps a handle on the real terminal for the progress bar
@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
@@ -63,6 +64,7 @@ class QuietTerminal:
         self._tmp = tempfile.NamedTemporaryFile(prefix="molt-", suffix=".log", delete=False)
         self.path = Path(self._tmp.name)
         self._redirect(self._tmp.fileno())
+        self.ended = False
 
     @staticmethod
     def _redirect(out: int, err: int | None = None) -> None:
@@ -87,7 +89,10 @@ class QuietTerminal:
         print(f"molt: full log in {path}", file=self.terminal)
 
     def end(self, failed: bool) -> None:
-        """Give the terminal back; after a failure, show the log's last lines and where the rest is."""
+        """Give the terminal back (once); after a failure, show the log's last lines and where the rest is."""
+        if self.ended:
+            return
+        self.ended = True
         self._redirect(self.terminal.fileno(), self._saved_err)
         if failed:
             lines = self.path.read_text(errors="replace").splitlines()[-self.TAIL:]
@@ -96,11 +101,72 @@ class QuietTerminal:
                   file=sys.stderr)
 
 
-class RunSummary(L.Callback):
-    """Prints, at the end of training on rank 0: steps and wall time, reward at the start and the end, samples."""
+@contextmanager
+def quieted(quiet: list):
+    """Ends the quiet terminal in ``quiet`` (if one was set up inside) when the block ends, as a failure unless it
+    ended normally or by a zero exit."""
+    failed = True
+    try:
+        yield
+        failed = False
+    except SystemExit as e:
+        failed = e.code not in (0, None)
+        raise
+    finally:
+        if quiet:
+            quiet[0].end(failed)
 
-    def __init__(self, out=None, first: int = 5, last: int = 10):
-        self.out, self.first, self.last = out, first, last
+
+def terminal_callbacks(callbacks: list, progress_bar: bool, terminal, summary: L.Callback) -> list:
+    """``callbacks`` with a ``StepProgressBar`` on ``terminal`` (unless they hold a progress bar or ``progress_bar`` is
+    off) and ``summary``: what ``molt fit`` and ``molt sft`` show on the terminal."""
+    from lightning.pytorch.callbacks import ProgressBar
+
+    from .progress import StepProgressBar
+
+    if progress_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks = [*callbacks, StepProgressBar(console_kwargs={"file": terminal} if terminal else None)]
+    return [*callbacks, summary]
+
+
+def script_terminal(trainer) -> list:
+    """``molt fit``'s terminal for a script's own ``L.Trainer`` (``AsyncRLModule.configure_callbacks``, when the
+    Trainer has no ``RunSummary``): Lightning's default bar (``TQDMProgressBar``, "Epoch 0/-2") becomes a
+    ``StepProgressBar``, a ``RunSummary`` closes the run, and with ``wants_quiet()`` everything else goes to
+    ``molt.log`` in the run folder from here on (``QuietLog``; the Trainer's own lines from its construction came
+    before)."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from .progress import StepProgressBar
+
+    quiet = QuietLog(trainer) if wants_quiet() and trainer.global_rank == 0 else None
+    terminal = quiet.quiet.terminal if quiet else None
+    added = [RunSummary(out=terminal)] + ([quiet] if quiet else [])
+    if type(bar := trainer.progress_bar_callback) is TQDMProgressBar:  # Lightning's default, not the script's choice
+        trainer.callbacks.remove(bar)
+        added.append(StepProgressBar(console_kwargs={"file": terminal} if terminal else None))
+    return added
+
+
+class QuietLog(L.Callback):
+    """A ``QuietTerminal`` for a script's fit, its log in the run folder; the terminal comes back when fit ends."""
+
+    def __init__(self, trainer):
+        self.quiet = QuietTerminal()
+        self.quiet.move_to(Path(trainer.logger.log_dir if trainer.logger else trainer.default_root_dir) / "molt.log")
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self.quiet.end(failed=True)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.quiet.end(failed=False)
+
+
+class RunSummary(L.Callback):
+    """Prints, at the end of training on rank 0: steps and wall time, ``metric`` at the start and the end, samples."""
+
+    def __init__(self, out=None, first: int = 5, last: int = 10, metric: str = "reward", digits: str = ".2f"):
+        self.out, self.first, self.last, self.metric, self.digits = out, first, last, metric, digits
         self.started, self.rewards, self.step_times, self.duplicates = time.perf_counter(), [], [], []
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -110,7 +176,7 @@ class RunSummary(L.Callback):
         now = time.perf_counter()
         self.step_times.append(now - self._t)
         self._t = now
-        for key, kept in (("reward", self.rewards), ("samples/duplicates", self.duplicates)):
+        for key, kept in ((self.metric, self.rewards), ("samples/duplicates", self.duplicates)):
             if key in trainer.callback_metrics:
                 kept.append(float(trainer.callback_metrics[key]))
 
@@ -135,18 +201,20 @@ class RunSummary(L.Callback):
                 f"median); {_clock(time.perf_counter() - self.started)} in all, start-up included")
         lines = [head]
         if ends := self._ends(r):
-            lines.append("  mean reward {:.2f} ({}) -> {:.2f} ({})".format(*ends))
+            f = self.digits
+            lines.append(f"  mean {self.metric} {ends[0]:{f}} ({ends[1]}) -> {ends[2]:{f}} ({ends[3]})")
         elif r:
-            lines.append(f"  reward {r[0]:.2f} (step 0)")
+            lines.append(f"  {self.metric} {r[0]:{self.digits}} (step 0)")
         names = ("finished", "trained", "failed", "dropped_stale_samples", "dropped_filtered_samples",
                  "dropped_empty_groups")
         total = {k: int(m.get(f"samples/{k}_total", 0)) for k in names}
         dropped = total["dropped_stale_samples"] + total["dropped_filtered_samples"]
         left = total["finished"] - total["trained"] - total["failed"] - dropped
-        lines.append(f"  samples: {total['finished']} finished: {total['trained']} trained, {total['failed']} failed, "
-                     f"{dropped} dropped ({total['dropped_stale_samples']} stale, "
-                     f"{total['dropped_filtered_samples']} filtered), {left} not trained when the run ended; "
-                     f"{total['dropped_empty_groups']} groups had no usable sample")
+        if m:  # an RL run's rollout side (not molt sft's)
+            lines.append(f"  samples: {total['finished']} finished: {total['trained']} trained, {total['failed']} "
+                         f"failed, {dropped} dropped ({total['dropped_stale_samples']} stale, "
+                         f"{total['dropped_filtered_samples']} filtered), {left} not trained when the run ended; "
+                         f"{total['dropped_empty_groups']} groups had no usable sample")
         if (d := self._ends(self.duplicates)) and d[0] >= DUPLICATES_NOTED:  # early: not convergence
             lines.append(f"  duplicates: {d[0]:.0%} of a group's completions repeated another one in {d[1]} ({d[2]:.0%} "
                          f"in {d[3]}): a group then holds fewer distinct samples. A policy sure of its answers (a warm "

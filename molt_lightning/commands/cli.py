@@ -211,21 +211,17 @@ def main(args: list[str] | None = None) -> None:
 
         return sft(argv[1:], MoltParser)
     from ..callbacks.checkpoint import DiskFull
-    from ..callbacks.runlog import QuietTerminal
+    from ..callbacks.runlog import QuietTerminal, quieted
     from ..engines import EngineUnavailable
     from ..module import AsyncRLModule
     from ..rollout.source import RolloutFailures, RolloutStopped
 
     quiet: list[QuietTerminal] = []  # the fit's quiet terminal, once it is set up
-    failed = True
     try:
-        molt_cli(quiet)(AsyncRLModule, save_config_kwargs={"overwrite": True}, parser_class=MoltParser, args=args,
-                        parser_kwargs={"prog": "molt"},  # also under python -m molt_lightning.commands.cli
-                        auto_configure_optimizers=False)
-        failed = False
-    except SystemExit as e:
-        failed = e.code not in (0, None)
-        raise
+        with quieted(quiet):  # a failure below shows the end of the log
+            molt_cli(quiet)(AsyncRLModule, save_config_kwargs={"overwrite": True}, parser_class=MoltParser,
+                            args=args, parser_kwargs={"prog": "molt"},  # also under python -m ...commands.cli
+                            auto_configure_optimizers=False)
     # SIGTERM while waiting for rollouts (the engine is shut down by now: exit 143); the failure breaker; remote
     # engines gone or not answering; a checkpoint that did not fit (the earlier ones are intact): one line each
     except (RolloutStopped, RolloutFailures, EngineUnavailable, DiskFull) as e:
@@ -238,25 +234,20 @@ def main(args: list[str] | None = None) -> None:
             raise
         print(f"molt: {why}", file=sys.stderr)
         sys.exit(1)
-    finally:
-        if quiet:
-            quiet[0].end(failed)
 
 
 def molt_cli(quiet: list | None = None):
-    """The LightningCLI class of ``molt`` (made on demand: importing Lightning's CLI costs a second); ``quiet`` gets
-    the fit's quiet terminal once it is set up."""
+    """The LightningCLI class of ``molt`` (made on demand: importing Lightning's CLI costs a second); given a list,
+    ``quiet`` gets a quiet terminal (``wants_quiet``) when the classes are made."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
-    from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.plugins import CheckpointIO
 
-    from ..callbacks import StepProgressBar
     from ..callbacks.checkpoint import AtomicCheckpointIO
-    from ..callbacks.runlog import QuietTerminal, RunSummary, wants_quiet
+    from ..callbacks.runlog import QuietTerminal, RunSummary, terminal_callbacks, wants_quiet
     from ..trainer.parallel import LORA_UNDER_FSDP2, STRATEGIES, SUPPORTED
 
-    quiet = [] if quiet is None else quiet
+    asked, quiet = quiet is not None, [] if quiet is None else quiet
 
     class MoltCLI(LightningCLI):
         @staticmethod
@@ -274,7 +265,7 @@ def molt_cli(quiet: list | None = None):
 
         def instantiate_classes(self) -> None:
             with self._answered():
-                if self.subcommand == "fit" and wants_quiet():
+                if asked and wants_quiet():
                     quiet.append(QuietTerminal())
                 super().instantiate_classes()
 
@@ -298,12 +289,10 @@ def molt_cli(quiet: list | None = None):
             if isinstance(strategy, str) and strategy not in STRATEGIES:
                 hint = " (FSDP1 needs a GPU; FSDP2 runs on the CPU too)" if strategy.startswith("fsdp") else ""
                 raise ValueError(f"--trainer.strategy {strategy!r} is not supported: use {SUPPORTED}{hint}")
-            callbacks = list(trainer.get("callbacks") or [])
             terminal = quiet[0].terminal if quiet else None
-            if trainer.get("enable_progress_bar") is not False \
-                    and not any(isinstance(c, ProgressBar) for c in callbacks):
-                callbacks.append(StepProgressBar(console_kwargs={"file": terminal} if terminal else None))
-            kwargs["callbacks"] = [*callbacks, RunSummary(out=terminal)]
+            kwargs["callbacks"] = terminal_callbacks(list(trainer.get("callbacks") or []),
+                                                     trainer.get("enable_progress_bar") is not False, terminal,
+                                                     RunSummary(out=terminal))
             kwargs.update(unlogged_root(trainer))
             plugins = trainer.get("plugins") or []
             plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
@@ -318,15 +307,18 @@ def molt_cli(quiet: list | None = None):
 def evaluate_main(argv: list[str]) -> None:
     """``molt eval --config RECIPE [--ckpt CKPT] [--out FILE] [--model.policy FOLDER] [other recipe keys]``: one round
     of the recipe's ``Evaluate`` callback on a policy folder (the recipe's ``model.policy``, or another one), or on a
-    checkpoint (exported first, a LoRA adapter merged), with the recipe's engine and agent; prints the table and
-    writes the metrics and per-prompt rewards as JSON to ``--out``."""
+    checkpoint (exported first, a LoRA adapter merged), with the recipe's engine and agent; prints the table (metric,
+    value, 95% interval) and writes the metrics and per-prompt rewards as JSON to ``--out``. On a terminal (or with
+    ``MOLT_QUIET=1``) only a progress bar and the table show; the rest goes to a log beside ``--out`` (its name with
+    ``.log``), or to ``molt-eval.log`` in the recipe's run folder."""
     import argparse
     import json
     import tempfile
     import warnings
 
     from ..callbacks.evaluate import Evaluate
-    from ..rollout.heldout import per_prompt_rewards, report, summarize
+    from ..callbacks.runlog import QuietTerminal, quieted
+    from ..rollout.heldout import per_prompt_rewards, summarize, table
     from ..module import AsyncRLModule
 
     if {"-h", "--help"} & set(argv):
@@ -338,38 +330,46 @@ def evaluate_main(argv: list[str]) -> None:
     p.add_argument("--ckpt", default=None, help="a checkpoint of molt fit to evaluate (exported first)")
     p.add_argument("--out", default=None, help="write the metrics and per-prompt rewards here (JSON)")
     ours, rest = p.parse_known_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
+    quiet: list[QuietTerminal] = []
+    with quieted(quiet), tempfile.TemporaryDirectory() as tmp:
         if ours.ckpt:
             from .export import export
 
             rest = [*rest, "--model.policy", str(export(ours.ckpt, tmp, merge=True))]
         # "args and sys.argv both given": the eval's own flags are not LightningCLI's
         with warnings.catch_warnings(action="ignore", category=UserWarning):
-            cli = molt_cli()(AsyncRLModule, run=False, args=rest, parser_class=MoltParser,
-                             parser_kwargs={"prog": "molt eval"}, auto_configure_optimizers=False,
-                             save_config_callback=None)
+            cli = molt_cli(quiet)(AsyncRLModule, run=False, args=rest, parser_class=MoltParser,
+                                  parser_kwargs={"prog": "molt eval"}, auto_configure_optimizers=False,
+                                  save_config_callback=None)
+        if quiet:
+            logger = cli.trainer.logger
+            folder = Path(logger.log_dir if logger else cli.trainer.default_root_dir)
+            quiet[0].move_to(Path(ours.out).with_suffix(".log") if ours.out else folder / "molt-eval.log")
         found = [c for c in cli.trainer.callbacks if isinstance(c, Evaluate)]
         if not found:
             raise SystemExit("molt eval: the recipe has no molt_lightning.callbacks.Evaluate under trainer.callbacks: "
                              "add one with the held-out tasks (docs/workflow.md)")
         evaluate, module = found[0], cli.model
         try:
-            outcomes, seconds = evaluate_policy(module, evaluate)
+            outcomes, seconds = evaluate_policy(module, evaluate, quiet[0].terminal if quiet else None)
         except ValueError as e:  # a policy folder that is not one: the message names the fix
             raise SystemExit(str(e)) from None
     summary = summarize(outcomes, evaluate.k)
-    print(report(summary, evaluate.k))
-    print(f"molt eval: {len(outcomes)} runs in {seconds:.1f} s")
+    print(table(summary, evaluate.k))
+    print(f"molt eval: {len(outcomes)} runs in {seconds:.1f} s" + (f"; metrics in {ours.out}" if ours.out else ""))
     if ours.out:
         with open(ours.out, "w") as f:
             json.dump({"policy": module.hparams.policy, "k": evaluate.k, "seconds": seconds, "metrics": summary,
                        "per_prompt": per_prompt_rewards(outcomes)}, f, indent=1)
 
 
-def evaluate_policy(module, evaluate) -> tuple[list, float]:
-    """One round of ``evaluate`` on ``module``'s policy folder and engine, outside training."""
+def evaluate_policy(module, evaluate, terminal=None) -> tuple[list, float]:
+    """One round of ``evaluate`` on ``module``'s policy folder and engine, outside training, with a progress bar (on
+    ``terminal`` when given) counting the agent runs."""
     import os
 
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from transformers import AutoConfig, AutoTokenizer
 
     from ..agents.sessions import AgentSessions
@@ -385,9 +385,14 @@ def evaluate_policy(module, evaluate) -> tuple[list, float]:
                                      AutoConfig.from_pretrained(path))
     module.engine.seed_from(rollout.task_seed)
     module.engine.launch(path)
+    bar = Progress(TextColumn("Eval"), BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=Console(file=terminal) if terminal else None)
+    runs = bar.add_task("runs", total=len(evaluate.samples) * evaluate.k)
     try:
         sessions.start()
-        outcomes, seconds = module.engine.call(evaluate.run(sessions, module.source.agent, rollout), timeout=None)
+        with bar:
+            outcomes, seconds = module.engine.call(evaluate.run(sessions, module.source.agent, rollout,
+                                                                lambda: bar.advance(runs)), timeout=None)
         sessions.stop()
     finally:
         module.engine.release()
