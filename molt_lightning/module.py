@@ -140,10 +140,13 @@ class AsyncRLModule(L.LightningModule):
 
     def configure_callbacks(self):
         from .callbacks import RewardPlot, RolloutMonitor, WeightSync
+        from .callbacks.runlog import RunSummary, script_terminal
 
         missing = [cb for cb in (WeightSync, RolloutMonitor, RewardPlot)
                    if not any(isinstance(c, cb) for c in self.trainer.callbacks)]
-        return [_StopOnException()] + [cb() for cb in missing]
+        # a script's own Trainer (molt fit's has a RunSummary): molt fit's step bar, summary and quiet terminal
+        own = [] if any(isinstance(c, RunSummary) for c in self.trainer.callbacks) else script_terminal(self.trainer)
+        return [_StopOnException()] + [cb() for cb in missing] + own
 
     # ----- the engine and the rollout side (rank 0 owns both: see trainer.parallel) -----
     def train_dataloader(self) -> _BatchStream:

@@ -1,5 +1,6 @@
 """A quiet terminal for ``molt fit``, ``molt sft``, ``molt eval`` and a script's own Trainer: the progress bar and a
-short summary on the terminal, the full log in the run folder (``quieted``, ``terminal_callbacks``, ``script_terminal``).
+short summary on the terminal, the full log in the run folder (``quieted``, ``terminal_callbacks``,
+``script_terminal``).
 
 ``QuietTerminal`` moves file descriptors 1 and 2 (so the vLLM engine process, C++ warnings and Python's ``warnings``
 follow, not only Python's ``sys.stdout``) into a log file, and keeps a handle on the real terminal for the progress bar
@@ -131,29 +132,30 @@ def terminal_callbacks(callbacks: list, progress_bar: bool, terminal, summary: L
 
 def script_terminal(trainer) -> list:
     """``molt fit``'s terminal for a script's own ``L.Trainer`` (``AsyncRLModule.configure_callbacks``, when the
-    Trainer has no ``RunSummary``): Lightning's default bar (``TQDMProgressBar``, "Epoch 0/-2") becomes a
-    ``StepProgressBar``, a ``RunSummary`` closes the run, and with ``wants_quiet()`` everything else goes to
-    ``molt.log`` in the run folder from here on (``QuietLog``; the Trainer's own lines from its construction came
-    before)."""
-    from lightning.pytorch.callbacks import TQDMProgressBar
+    Trainer has no ``RunSummary``): Lightning's default bar (a plain ``RichProgressBar`` or ``TQDMProgressBar``,
+    "Epoch 0/-2") becomes a ``StepProgressBar``, a ``RunSummary`` closes the run, and with ``wants_quiet()``
+    everything else goes to ``molt.log`` in the run folder from here on (``QuietLog``, with a logger; the Trainer's
+    own lines from its construction, "GPU available" and Lightning's tips, came before)."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
     from .progress import StepProgressBar
 
-    quiet = QuietLog(trainer) if wants_quiet() and trainer.global_rank == 0 else None
+    logged = trainer.logger is not None and trainer.logger.log_dir  # a run folder (else no log: not the cwd)
+    quiet = QuietLog(trainer.logger.log_dir) if logged and wants_quiet() and trainer.global_rank == 0 else None
     terminal = quiet.quiet.terminal if quiet else None
-    added = [RunSummary(out=terminal)] + ([quiet] if quiet else [])
-    if type(bar := trainer.progress_bar_callback) is TQDMProgressBar:  # Lightning's default, not the script's choice
+    added = [RunSummary(out=terminal)] + ([quiet] if quiet else [])  # (the summary after the bar's last frame)
+    if type(bar := trainer.progress_bar_callback) in (RichProgressBar, TQDMProgressBar):  # Lightning's default bar
         trainer.callbacks.remove(bar)
-        added.append(StepProgressBar(console_kwargs={"file": terminal} if terminal else None))
+        added.insert(0, StepProgressBar(console_kwargs={"file": terminal} if terminal else None))
     return added
 
 
 class QuietLog(L.Callback):
     """A ``QuietTerminal`` for a script's fit, its log in the run folder; the terminal comes back when fit ends."""
 
-    def __init__(self, trainer):
+    def __init__(self, log_dir: str):
         self.quiet = QuietTerminal()
-        self.quiet.move_to(Path(trainer.logger.log_dir if trainer.logger else trainer.default_root_dir) / "molt.log")
+        self.quiet.move_to(Path(log_dir) / "molt.log")
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         self.quiet.end(failed=True)
@@ -216,10 +218,10 @@ class RunSummary(L.Callback):
                          f"{total['dropped_filtered_samples']} filtered), {left} not trained when the run ended; "
                          f"{total['dropped_empty_groups']} groups had no usable sample")
         if (d := self._ends(self.duplicates)) and d[0] >= DUPLICATES_NOTED:  # early: not convergence
-            lines.append(f"  duplicates: {d[0]:.0%} of a group's completions repeated another one in {d[1]} ({d[2]:.0%} "
-                         f"in {d[3]}): a group then holds fewer distinct samples. A policy sure of its answers (a warm "
-                         "start, e.g. after molt sft) repeats itself; otherwise, do the engines sample streams of "
-                         "their own? (docs/engines.md, seeds)")
+            lines.append(f"  duplicates: {d[0]:.0%} of a group's completions repeated another one in {d[1]} "
+                         f"({d[2]:.0%} in {d[3]}): a group then holds fewer distinct samples. A policy sure of its "
+                         "answers (a warm start, e.g. after molt sft) repeats itself; otherwise, do the engines sample "
+                         "streams of their own? (docs/engines.md, seeds)")
         if trainer.logger is not None:  # (not trainer.log_dir: a collective, and only rank 0 is here)
             lines += _held_out(trainer.logger.log_dir)
             lines.append(f"  run folder: {trainer.logger.log_dir}{_written(trainer.logger.log_dir)}")

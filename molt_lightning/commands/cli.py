@@ -11,8 +11,8 @@ directory. On a terminal (or with ``MOLT_QUIET=1``) that is all the terminal sho
 a vLLM server for ``RemoteVLLMEngine``/``EnginePool`` (``molt_lightning.commands.serve``); ``molt export`` writes a
 checkpoint as a Hugging Face folder (``molt_lightning.commands.export``); ``molt eval`` runs a recipe's ``Evaluate``
 alone on a policy folder or a checkpoint (``evaluate_main``). ``molt --help`` lists the commands (``COMMANDS``);
-LightningCLI's ``validate``, ``test`` and ``predict`` are left out (``AsyncRLModule`` has no such steps), and a word that
-is no command is answered with the ones there are.
+LightningCLI's ``validate``, ``test`` and ``predict`` are left out (``AsyncRLModule`` has no such steps), and a word
+that is no command is answered with the ones there are.
 
 A bad recipe is answered before anything starts, with the problem and its fix and no traceback: jsonargparse's
 parse errors (YAML syntax, unknown keys, wrong types, dotted paths that do not import or are the wrong kind of

@@ -279,8 +279,9 @@ class SFTModule(L.LightningModule):
 
 # ----- molt sft -----
 def main(argv: list[str], parser_class) -> None:
-    """Fits with ``molt fit``'s terminal: a step bar and a summary (the loss at the start and the end: sft measures no skill),
-    on a terminal (``wants_quiet``) everything else in ``molt.log`` in the run folder; then where the policy went."""
+    """Fits with ``molt fit``'s terminal: a step bar and a summary (the loss at the start and the end: sft measures
+    no skill), on a terminal (``wants_quiet``) everything else in ``molt.log`` in the run folder; then where the
+    policy went."""
     from pathlib import Path
 
     from ..callbacks.runlog import quieted

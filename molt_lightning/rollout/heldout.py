@@ -7,7 +7,8 @@ as correct (``reward >= success``), the answer the agent read from the reply (``
 ``agents.Answer``'s), and the policy versions of its tokens. A run that fails (the agent raised, timed out, the verifier
 failed) scores 0 and is counted as ``failed``.
 
-``summarize`` turns a round into metrics per source (``table`` prints them, ``report`` in one line per source) (the sample's ``source``, else ``heldout``):
+``summarize`` turns a round into metrics per source (the sample's ``source``, else ``heldout``; ``table`` prints them,
+``report`` in one line per source):
 - ``avg@k``: the mean reward (over prompts of the mean over their k runs);
 - ``pass@1`` and ``pass@k``: the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on
   Code", eq. 1 in its numerically stable product form), averaged over prompts;
