@@ -1,8 +1,9 @@
-"""Quickstart: 20 RL steps teach the built-in tiny policy to use a calculator tool (vLLM on the CPU, no download)."""
+"""Quickstart: 30 RL steps teach the built-in tiny policy to use a calculator tool, mean reward ~0.2 -> ~0.8 (vLLM on
+the CPU, no download, ~1 min; on a terminal a step bar and a summary show, the rest goes to the run's molt.log)."""
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger
 
-from molt_lightning import AsyncRLModule, Rollout
+from molt_lightning import AsyncRLModule, Optim, Rollout
 from molt_lightning.engines import VLLMEngine
 from molt_lightning.tasks.arithmetic import calculator, reward, tasks  # tasks(seed): {"question": "What is 73*41?"}
 
@@ -19,5 +20,7 @@ async def agent(client, sample) -> float:  # an ordinary async program: multi-tu
 
 
 if __name__ == "__main__":  # required: vLLM's engine process re-imports this script
-    trainer = L.Trainer(max_steps=20, log_every_n_steps=1, logger=CSVLogger("runs"))  # runs/lightning_logs/version_N
-    trainer.fit(AsyncRLModule(agent=agent, tasks=tasks, engine=VLLMEngine(), rollout=Rollout(max_lag=1)))
+    trainer = L.Trainer(max_steps=30, log_every_n_steps=1, logger=CSVLogger("runs"))  # runs/lightning_logs/version_N
+    module = AsyncRLModule(agent=agent, tasks=tasks, engine=VLLMEngine(), rollout=Rollout(max_lag=1),
+                           optim=Optim(lr=3e-4))  # the default recipe's rate (the default, 1e-4, learns slower)
+    trainer.fit(module)

@@ -4,7 +4,8 @@
 ``[project.optional-dependencies]`` and installed into ``.venv`` by ``make extra-NAME`` (``scripts/setup.sh``).
 Code that needs an extra calls ``require(name, what)``, which raises ``MissingExtra`` (an ``ImportError``) naming the
 extra and that command; ``molt`` prints it as one line, no traceback. ``needed(config)`` reads a parsed recipe for
-the extras it will need, so ``molt`` refuses it before anything starts.
+the extras it will need, so ``molt`` refuses it before anything starts (so does resolving a SmolLM2 policy folder,
+which ``molt``'s recipe check does first).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def require(name: str, what: str, modules: tuple[str, ...] | None = None) -> Non
 def needed(config) -> dict[str, str]:
     """The extras a parsed recipe (a jsonargparse namespace or dict) will need: extra -> the setting that needs it.
 
-    reasoning-gym sources and the ``math``/``reasoning_gym`` verifiers need ``data``; a policy or teacher from
-    ``molt_lightning.models.smollm2`` needs ``smollm2``; ``model.lora`` needs ``lora``."""
+    reasoning-gym sources and the ``math``/``reasoning_gym`` verifiers need ``data``; ``model.lora`` needs ``lora``.
+    (A SmolLM2 policy or teacher asks for ``smollm2`` itself, when ``molt``'s recipe check resolves its folder.)"""
     out: dict[str, str] = {}
 
     def walk(node, key: str) -> None:
@@ -71,8 +72,6 @@ def needed(config) -> dict[str, str]:
         elif isinstance(node, (list, tuple)):
             for i, v in enumerate(node):
                 walk(v, f"{key}[{i}]")
-        elif isinstance(node, str) and node.startswith("molt_lightning.models.smollm2"):
-            out.setdefault("smollm2", f"{key}: {node}")
 
     walk(config, "")
     return out

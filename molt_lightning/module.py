@@ -139,11 +139,11 @@ class AsyncRLModule(L.LightningModule):
         return torch.optim.AdamW(self.trainable_parameters(), lr=self.optim.lr, weight_decay=self.optim.weight_decay)
 
     def configure_callbacks(self):
-        from .callbacks import RewardPlot, RolloutMonitor, WeightSync
+        from .callbacks import RewardPlot, RolloutMonitor, WeightSync, script_terminal
 
         missing = [cb for cb in (WeightSync, RolloutMonitor, RewardPlot)
                    if not any(isinstance(c, cb) for c in self.trainer.callbacks)]
-        return [_StopOnException()] + [cb() for cb in missing]
+        return [_StopOnException()] + [cb() for cb in missing] + script_terminal(self.trainer)
 
     # ----- the engine and the rollout side (rank 0 owns both: see trainer.parallel) -----
     def train_dataloader(self) -> _BatchStream:

@@ -117,7 +117,42 @@ def test_run_summary_names_duplicate_completions_when_they_are_many():
     summary, trainer = RunSummary(first=2, last=2), SimpleNamespace(callback_metrics={}, logger=None)
     summary.step_times, summary.rewards = [1.0] * 4, [0.5] * 4
     summary.duplicates = [0.5, 0.6, 0.1, 0.2]  # steps 0-1: 55%, the last two: 15%
-    assert "duplicates: 55% of a group's completions repeated another one in steps 0-1 (15% in the last 2)" \
-        in summary.text(trainer)
+    text = summary.text(trainer)
+    assert "duplicates: 55% of a group's completions repeated another one in steps 0-1 (15% in steps 2-3)" in text
+    assert "warm start" in text and "seeds" in text  # both causes: a policy sure of itself, engines of one stream
     summary.duplicates = [DUPLICATES_NOTED - 0.01] * 2 + [0.9, 0.9]  # a policy that converged repeats itself
     assert "duplicates" not in summary.text(trainer)
+
+
+def test_run_summary_windows_never_overlap_on_a_short_run():
+    """A 10-step run said "steps 0-4 -> steps 0-9" (the last 10 held the first 5): each window is now at most half
+    the run, and a one-step run gets one number."""
+    from types import SimpleNamespace
+
+    from molt_lightning.callbacks.runlog import RunSummary
+
+    summary, trainer = RunSummary(), SimpleNamespace(callback_metrics={}, logger=None)
+    for rewards, said in (([0.0] * 5 + [1.0] * 5, "mean reward 0.00 (steps 0-4) -> 1.00 (steps 5-9)"),
+                          ([0.0, 0.5, 1.0], "mean reward 0.00 (steps 0-0) -> 0.75 (steps 1-2)"),
+                          ([0.0] * 5 + [1.0] * 15, "mean reward 0.00 (steps 0-4) -> 1.00 (steps 10-19)"),
+                          ([0.25], "reward 0.25 (step 0)")):
+        summary.step_times, summary.rewards = [1.0] * len(rewards), rewards
+        assert said in summary.text(trainer), summary.text(trainer)
+    summary.duplicates = [0.9]  # too short to compare: not named
+    assert "duplicates" not in summary.text(trainer)
+
+
+def test_run_summary_names_only_the_files_that_are_in_the_run_folder(tmp_path):
+    """It listed reward.png (and config.yaml) whether or not they were written, e.g. with log_every_n_steps left at
+    50 on a short run (no metrics, no plot)."""
+    from types import SimpleNamespace
+
+    from molt_lightning.callbacks.runlog import RunSummary
+
+    summary = RunSummary()
+    summary.step_times, summary.rewards = [1.0] * 2, [0.5] * 2
+    trainer = SimpleNamespace(callback_metrics={}, logger=SimpleNamespace(log_dir=str(tmp_path)))
+    assert f"run folder: {tmp_path}\n" in summary.text(trainer) + "\n"
+    (tmp_path / "metrics.csv").write_text("step\n")
+    (tmp_path / "config.yaml").write_text("")
+    assert summary.text(trainer).endswith(f"run folder: {tmp_path} (metrics.csv, config.yaml)")

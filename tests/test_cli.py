@@ -148,3 +148,45 @@ def test_molt_sft_without_a_logger_keeps_its_checkpoints_and_config_in_a_run_fol
         checkpoint.setup(cli.trainer, cli.model, "fit")
         for path in checkpoint.dirpath, cli.trainer.log_dir:
             assert Path(path).resolve().is_relative_to(folder), (extra, path)
+
+
+def test_molt_help_lists_every_command_and_a_word_that_is_none_names_them(capsys):
+    """``molt --help`` and ``molt`` alone list fit, eval, export, serve and sft, one line each; LightningCLI's validate,
+    test and predict (no such steps in AsyncRLModule: ``molt validate`` ended in a Lightning traceback) are refused
+    with the commands there are, as is any other word."""
+    from molt_lightning.commands.cli import COMMANDS, main, molt_cli
+
+    assert list(COMMANDS) == ["fit", "eval", "export", "serve", "sft"]
+    for argv, code in (["--help"], 0), ([], 2):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        out = capsys.readouterr().out
+        assert e.value.code == code and all(f"\n  {name} " in out for name in COMMANDS), out
+    for word in "validate", "test", "predict", "nope":
+        with pytest.raises(SystemExit) as e:
+            main([word, "--config", "recipes/default.yaml"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err == f"molt: no command {word!r}: the commands are fit, eval, export, serve, " \
+            "sft (`molt --help` says what each does)\n"
+    assert list(molt_cli().subcommands()) == ["fit"]
+
+
+def test_quiet_molt_eval_shows_a_bar_and_a_table_and_logs_the_rest_beside_its_out(tmp_path):
+    """``molt eval`` printed one line per source; now a table (metric, value, 95% interval), and with ``MOLT_QUIET=1``
+    (as on a terminal) only a progress bar and that table show, Lightning's lines going to OUT.log beside ``--out``."""
+    from test_export import EVAL_RECIPE
+
+    (tmp_path / "eval.yaml").write_text(EVAL_RECIPE)
+    out = subprocess.run([sys.executable, "-m", "molt_lightning.commands.cli", "eval", "--config",
+                          str(tmp_path / "eval.yaml"), "--out", str(tmp_path / "e.json")], cwd=ROOT,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "MOLT_QUIET": "1"}, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    shown, log = out.stdout + out.stderr, (tmp_path / "e.log").read_text()
+    assert "GPU available" in log and "GPU available" not in shown and f"full log in {tmp_path / 'e.log'}" in shown
+    lines = shown.splitlines()
+    head = lines.index("source   metric  value  95% interval")
+    assert [line.split()[:2] for line in lines[head + 1:head + 4]] == [["heldout", "avg@2"], ["heldout", "pass@1"],
+                                                                      ["heldout", "pass@2"]]
+    assert "heldout: 6 prompts x 2 runs, 0 failed" in shown and "Eval" in shown and "12/12" in shown
+    assert len(lines) <= 12, shown

@@ -203,7 +203,7 @@ def exported_and_evaluated(tmp_path: Path, ckpt: Path, trainer_side) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "eval.json").read_text())
     assert result["metrics"]["heldout"]["prompts"] == 6 and len(result["per_prompt"]["heldout"]) == 6
-    assert "heldout: 6 prompts x 2: avg@2" in done.stdout
+    assert "heldout: 6 prompts x 2 runs" in done.stdout
 
 
 @pytest.mark.slow

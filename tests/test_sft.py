@@ -235,6 +235,28 @@ def test_molt_sft_help_and_a_bad_row_answered_before_training(tmp_path, capsys):
     assert "Traceback" not in out.err and "Trainable params" not in out.out  # nothing started
 
 
+def test_quiet_molt_sft_shows_a_step_bar_and_a_summary_and_logs_the_rest(tmp_path):
+    """With ``MOLT_QUIET=1`` (as on a terminal) ``molt sft`` shows only a step bar and a closing summary (steps, time,
+    the loss at the start and the end, where the policy went); Lightning's tips and the "Epoch 0" bar were on the
+    terminal and now go to molt.log in the run folder."""
+    rows = write(tmp_path / "rows.jsonl", [GOOD] * 8)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MOLT_QUIET": "1"}
+    out = subprocess.run([sys.executable, "-m", "molt_lightning.commands.cli", "sft", "--config",
+                          "recipes/sft_tiny.yaml", "--data.train", rows, "--data.batch_size", "2",
+                          "--trainer.max_steps", "4", "--model.out", str(tmp_path / "policy"),
+                          "--trainer.logger.init_args.save_dir", str(tmp_path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [run_dir] = list((tmp_path / "sft_tiny").iterdir())
+    shown, log = out.stdout + out.stderr, (run_dir / "molt.log").read_text()
+    assert "Step" in shown and "Epoch" not in shown and "GPU available" not in shown and "GPU available" in log
+    assert "molt: 4 steps in" in shown and "mean train/loss" in shown and "(steps 0-1) ->" in shown
+    assert f"trained policy: {tmp_path / 'policy'}" in shown and (tmp_path / "policy" / "molt_sft.json").exists()
+    # no metrics.csv: the recipe logs every 50 steps, and the summary names only the files that are there
+    assert f"run folder: {run_dir} (config.yaml, molt.log, checkpoints)" in shown
+    assert len(shown.splitlines()) <= 10, shown
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_molt_sft_from_scratch_reaches_the_warm_start_target_then_molt_fit_trains_from_it(tmp_path):

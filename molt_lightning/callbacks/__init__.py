@@ -5,7 +5,9 @@ from .evaluate import Evaluate
 from .monitor import RolloutMonitor
 from .plot import RewardPlot
 from .progress import StepProgressBar
+from .runlog import script_terminal
 from .samples import RolloutSamples
 from .weight_sync import WeightSync
 
-__all__ = ["Evaluate", "RewardPlot", "RolloutMonitor", "RolloutSamples", "SampleAudit", "StepProgressBar", "WeightSync"]
+__all__ = ["Evaluate", "RewardPlot", "RolloutMonitor", "RolloutSamples", "SampleAudit", "StepProgressBar", "WeightSync",
+           "script_terminal"]

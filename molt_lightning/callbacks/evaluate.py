@@ -181,14 +181,16 @@ class Evaluate(L.Callback):
         future = asyncio.run_coroutine_threadsafe(round_(), pl_module.engine.loop)
         return future, trainer.global_step, version, candidate
 
-    async def run(self, sessions, agent: Callable, rollout) -> tuple[list[evaluation.Outcome], float]:
+    async def run(self, sessions, agent: Callable, rollout, done: Callable[[], None] | None = None
+                  ) -> tuple[list[evaluation.Outcome], float]:
         """One round on ``sessions``' engine (run on its loop): the outcomes and the seconds it took; ``agent`` is
-        the run's (unless this callback names its own), ``rollout`` the run's ``config.Rollout``."""
+        the run's (unless this callback names its own), ``rollout`` the run's ``config.Rollout``; ``done()`` after
+        each agent run."""
         t0 = time.perf_counter()
         outcomes = await evaluation.run_round(
             self.samples, self.agent or agent, sessions, k=self.k,
             temperature=rollout.temperature if self.temperature is None else self.temperature, success=self.success,
-            seed=self.seed, concurrency=self.concurrency, timeout_s=rollout.agent_timeout_s)
+            seed=self.seed, concurrency=self.concurrency, timeout_s=rollout.agent_timeout_s, done=done)
         return outcomes, time.perf_counter() - t0
 
     def _finish(self, trainer, round_) -> None:

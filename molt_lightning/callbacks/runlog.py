@@ -1,5 +1,6 @@
-"""A quiet terminal for ``molt fit``: the progress bar and a short summary on the terminal, the full log in the run
-folder.
+"""A quiet terminal for ``molt fit``, ``molt sft``, ``molt eval`` and a script's own Trainer: the progress bar and a
+short summary on the terminal, the full log in the run folder (``quieted``, ``terminal_callbacks``,
+``script_terminal``).
 
 ``QuietTerminal`` moves file descriptors 1 and 2 (so the vLLM engine process, C++ warnings and Python's ``warnings``
 follow, not only Python's ``sys.stdout``) into a log file, and keeps a handle on the real terminal for the progress bar
@@ -9,10 +10,11 @@ exists (Trainer set-up) goes to a temporary file and is copied to ``molt.log`` i
 a failure the terminal gets the log's last lines and its path. ``MOLT_QUIET=1`` / ``0`` forces it on / off; by default
 it is on when standard output is a terminal.
 
-``RunSummary`` prints what a user wants after a run: steps and time, the reward at the start and at the end, the agent
-runs that finished and what became of them (trained, failed, dropped, or still waiting when the run ended), the share
-of duplicate completions when it reaches ``DUPLICATES_NOTED`` in the first steps (``samples/duplicates``: a policy that
-has converged repeats itself, one that has just started should not), and where everything was written. Written by
+``RunSummary`` prints what a user wants after a run: steps and time, the reward at the start and at the end (in windows
+that never overlap: on a short run each is at most half of it), the agent runs that finished and what became of them
+(trained, failed, dropped, or still waiting when the run ended), the share of duplicate completions when it reaches
+``DUPLICATES_NOTED`` in the first steps (``samples/duplicates``: engines sharing one random stream, or a policy already
+sure of its answers, such as a warm start), and where everything was written (the files that are there). Written by
 hand: Lightning has no run summary, and file-descriptor redirection is a few ``os.dup2`` calls.
 """
 
@@ -25,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
@@ -40,6 +43,7 @@ def unlogged_root(trainer: dict) -> dict:
 
 
 DUPLICATES_NOTED = 0.25  # the summary names samples/duplicates from this share in the first steps up
+WRITTEN = ("metrics.csv", "eval.jsonl", "reward.png", "config.yaml", "molt.log", "checkpoints")  # named if there
 
 
 def wants_quiet() -> bool:
@@ -61,6 +65,7 @@ class QuietTerminal:
         self._tmp = tempfile.NamedTemporaryFile(prefix="molt-", suffix=".log", delete=False)
         self.path = Path(self._tmp.name)
         self._redirect(self._tmp.fileno())
+        self.ended = False
 
     @staticmethod
     def _redirect(out: int, err: int | None = None) -> None:
@@ -85,7 +90,10 @@ class QuietTerminal:
         print(f"molt: full log in {path}", file=self.terminal)
 
     def end(self, failed: bool) -> None:
-        """Give the terminal back; after a failure, show the log's last lines and where the rest is."""
+        """Give the terminal back (once); after a failure, show the log's last lines and where the rest is."""
+        if self.ended:
+            return
+        self.ended = True
         self._redirect(self.terminal.fileno(), self._saved_err)
         if failed:
             lines = self.path.read_text(errors="replace").splitlines()[-self.TAIL:]
@@ -94,11 +102,75 @@ class QuietTerminal:
                   file=sys.stderr)
 
 
-class RunSummary(L.Callback):
-    """Prints, at the end of training on rank 0: steps and wall time, reward at the start and the end, samples."""
+@contextmanager
+def quieted(quiet: list):
+    """Ends the quiet terminal in ``quiet`` (if one was set up inside) when the block ends, as a failure unless it
+    ended normally or by a zero exit."""
+    failed = True
+    try:
+        yield
+        failed = False
+    except SystemExit as e:
+        failed = e.code not in (0, None)
+        raise
+    finally:
+        if quiet:
+            quiet[0].end(failed)
 
-    def __init__(self, out=None, first: int = 5, last: int = 10):
-        self.out, self.first, self.last = out, first, last
+
+def terminal_callbacks(callbacks: list, progress_bar: bool, terminal, summary: L.Callback) -> list:
+    """``callbacks`` with a ``StepProgressBar`` on ``terminal`` (unless they hold a progress bar or ``progress_bar`` is
+    off) and ``summary``: what ``molt fit`` and ``molt sft`` show on the terminal."""
+    from lightning.pytorch.callbacks import ProgressBar
+
+    from .progress import StepProgressBar
+
+    if progress_bar and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks = [*callbacks, StepProgressBar(console_kwargs={"file": terminal} if terminal else None)]
+    return [*callbacks, summary]
+
+
+def script_terminal(trainer) -> list:
+    """``molt fit``'s terminal for a script's own ``L.Trainer`` (``AsyncRLModule.configure_callbacks``; nothing when
+    the Trainer has a ``RunSummary``, as ``molt fit``'s has): Lightning's default bar (a plain ``RichProgressBar`` or
+    ``TQDMProgressBar``, "Epoch 0/-2") becomes a ``StepProgressBar``, a ``RunSummary`` closes the run, and with
+    ``wants_quiet()`` everything else goes to ``molt.log`` in the run folder from here on (``QuietLog``, with a
+    logger; the Trainer's own lines from its construction, "GPU available" and Lightning's tips, came before)."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    from .progress import StepProgressBar
+
+    if any(isinstance(c, RunSummary) for c in trainer.callbacks):  # molt fit's own Trainer: its terminal is set
+        return []
+    logged = trainer.logger is not None and trainer.logger.log_dir  # a run folder (else no log: not the cwd)
+    quiet = QuietLog(trainer.logger.log_dir) if logged and wants_quiet() and trainer.global_rank == 0 else None
+    terminal = quiet.quiet.terminal if quiet else None
+    added = [RunSummary(out=terminal)] + ([quiet] if quiet else [])  # (the summary after the bar's last frame)
+    if type(bar := trainer.progress_bar_callback) in (RichProgressBar, TQDMProgressBar):  # Lightning's default bar
+        trainer.callbacks.remove(bar)
+        added.insert(0, StepProgressBar(console_kwargs={"file": terminal} if terminal else None))
+    return added
+
+
+class QuietLog(L.Callback):
+    """A ``QuietTerminal`` for a script's fit, its log in the run folder; the terminal comes back when fit ends."""
+
+    def __init__(self, log_dir: str):
+        self.quiet = QuietTerminal()
+        self.quiet.move_to(Path(log_dir) / "molt.log")
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self.quiet.end(failed=True)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.quiet.end(failed=False)
+
+
+class RunSummary(L.Callback):
+    """Prints, at the end of training on rank 0: steps and wall time, ``metric`` at the start and the end, samples."""
+
+    def __init__(self, out=None, first: int = 5, last: int = 10, metric: str = "reward", digits: str = ".2f"):
+        self.out, self.first, self.last, self.metric, self.digits = out, first, last, metric, digits
         self.started, self.rewards, self.step_times, self.duplicates = time.perf_counter(), [], [], []
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -108,7 +180,7 @@ class RunSummary(L.Callback):
         now = time.perf_counter()
         self.step_times.append(now - self._t)
         self._t = now
-        for key, kept in (("reward", self.rewards), ("samples/duplicates", self.duplicates)):
+        for key, kept in ((self.metric, self.rewards), ("samples/duplicates", self.duplicates)):
             if key in trainer.callback_metrics:
                 kept.append(float(trainer.callback_metrics[key]))
 
@@ -116,9 +188,15 @@ class RunSummary(L.Callback):
         if stage == "fit" and trainer.global_rank == 0 and self.step_times:
             print(self.text(trainer), file=self.out or sys.stdout, flush=True)
 
-    def _ends(self, values: list[float]) -> tuple[float, float]:
-        """The mean of the first ``first`` and of the last ``last`` values."""
-        return statistics.fmean(values[:self.first]), statistics.fmean(values[-self.last:])
+    def _ends(self, values: list[float]) -> tuple[float, str, float, str] | None:
+        """The mean of the first ``first`` and of the last ``last`` values, each with its steps, in windows that never
+        overlap (each at most half of a short run); None when there are fewer than two values."""
+        n = len(values)
+        f = min(self.first, n // 2)
+        if f == 0:
+            return None
+        k = min(self.last, n - f)
+        return statistics.fmean(values[:f]), f"steps 0-{f - 1}", statistics.fmean(values[-k:]), f"steps {n - k}-{n - 1}"
 
     def text(self, trainer) -> str:
         m = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("samples/")}
@@ -126,29 +204,36 @@ class RunSummary(L.Callback):
         head = (f"molt: {n} steps in {_clock(sum(self.step_times))} ({statistics.median(self.step_times):.3g} s/step "
                 f"median); {_clock(time.perf_counter() - self.started)} in all, start-up included")
         lines = [head]
-        if r:
-            first, last = self._ends(r)
-            k = min(self.last, len(r))
-            lines.append(f"  mean reward {first:.2f} (steps 0-{min(self.first, len(r)) - 1})"
-                         f" -> {last:.2f} (steps {len(r) - k}-{len(r) - 1})")
+        if ends := self._ends(r):
+            f = self.digits
+            lines.append(f"  mean {self.metric} {ends[0]:{f}} ({ends[1]}) -> {ends[2]:{f}} ({ends[3]})")
+        elif r:
+            lines.append(f"  {self.metric} {r[0]:{self.digits}} (step 0)")
         names = ("finished", "trained", "failed", "dropped_stale_samples", "dropped_filtered_samples",
                  "dropped_empty_groups")
         total = {k: int(m.get(f"samples/{k}_total", 0)) for k in names}
         dropped = total["dropped_stale_samples"] + total["dropped_filtered_samples"]
         left = total["finished"] - total["trained"] - total["failed"] - dropped
-        lines.append(f"  samples: {total['finished']} finished: {total['trained']} trained, {total['failed']} failed, "
-                     f"{dropped} dropped ({total['dropped_stale_samples']} stale, "
-                     f"{total['dropped_filtered_samples']} filtered), {left} not trained when the run ended; "
-                     f"{total['dropped_empty_groups']} groups had no usable sample")
-        if self.duplicates and (d := self._ends(self.duplicates))[0] >= DUPLICATES_NOTED:  # early: not convergence
-            lines.append(f"  duplicates: {d[0]:.0%} of a group's completions repeated another one in steps 0-"
-                         f"{min(self.first, n) - 1} ({d[1]:.0%} in the last {min(self.last, n)}): a group then holds "
-                         "fewer distinct samples; do the engines sample streams of their own? (docs/engines.md, "
-                         "seeds)")
+        if m:  # an RL run's rollout side (not molt sft's)
+            lines.append(f"  samples: {total['finished']} finished: {total['trained']} trained, {total['failed']} "
+                         f"failed, {dropped} dropped ({total['dropped_stale_samples']} stale, "
+                         f"{total['dropped_filtered_samples']} filtered), {left} not trained when the run ended; "
+                         f"{total['dropped_empty_groups']} groups had no usable sample")
+        if (d := self._ends(self.duplicates)) and d[0] >= DUPLICATES_NOTED:  # early: not convergence
+            lines.append(f"  duplicates: {d[0]:.0%} of a group's completions repeated another one in {d[1]} "
+                         f"({d[2]:.0%} in {d[3]}): a group then holds fewer distinct samples. A policy sure of its "
+                         "answers (a warm start, e.g. after molt sft) repeats itself; otherwise, do the engines sample "
+                         "streams of their own? (docs/engines.md, seeds)")
         if trainer.logger is not None:  # (not trainer.log_dir: a collective, and only rank 0 is here)
             lines += _held_out(trainer.logger.log_dir)
-            lines.append(f"  run folder: {trainer.logger.log_dir} (metrics.csv, reward.png, config.yaml)")
+            lines.append(f"  run folder: {trainer.logger.log_dir}{_written(trainer.logger.log_dir)}")
         return "\n".join(lines)
+
+
+def _written(log_dir: str | None) -> str:
+    """The files of ``WRITTEN`` that are in ``log_dir``, as " (a, b)"."""
+    there = [name for name in WRITTEN if os.path.exists(os.path.join(log_dir or "", name))]
+    return f" ({', '.join(there)})" if there else ""
 
 
 def _held_out(log_dir: str | None) -> list[str]:

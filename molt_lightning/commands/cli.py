@@ -10,7 +10,9 @@ directory. On a terminal (or with ``MOLT_QUIET=1``) that is all the terminal sho
 (``callbacks.checkpoint.AtomicCheckpointIO``), unless the recipe brings its own ``CheckpointIO``. ``molt serve`` starts
 a vLLM server for ``RemoteVLLMEngine``/``EnginePool`` (``molt_lightning.commands.serve``); ``molt export`` writes a
 checkpoint as a Hugging Face folder (``molt_lightning.commands.export``); ``molt eval`` runs a recipe's ``Evaluate``
-alone on a policy folder or a checkpoint (``evaluate_main``).
+alone on a policy folder or a checkpoint (``commands.eval``). ``molt --help`` lists the commands (``COMMANDS``);
+LightningCLI's ``validate``, ``test`` and ``predict`` are left out (``AsyncRLModule`` has no such steps), and a word
+that is no command is answered with the ones there are.
 
 A bad recipe is answered before anything starts, with the problem and its fix and no traceback: jsonargparse's
 parse errors (YAML syntax, unknown keys, wrong types, dotted paths that do not import or are the wrong kind of
@@ -54,6 +56,13 @@ EXAMPLES = {  # what a parser key takes, for the fix line of its errors
 }
 # an overlay's first line (recipes/distill_teacher_engine.yaml; tests/test_recipes.py holds every recipe to it)
 OVERLAY = re.compile(r"^# Overlay on (recipes/[\w/]+\.yaml): `(molt fit --config \1 --config (recipes/[\w/]+\.yaml))`")
+COMMANDS = {  # molt's commands, one line each (`molt --help`); LightningCLI's validate/test/predict are not among them
+    "fit": "train a policy with RL on a recipe (molt fit --config recipes/default.yaml)",
+    "eval": "a recipe's held-out evaluation alone, on a policy folder or a checkpoint (molt eval --config RECIPE)",
+    "export": "a checkpoint of molt fit as a Hugging Face folder (molt export CKPT OUT)",
+    "serve": "a vLLM server for RemoteVLLMEngine and EnginePool (molt serve --policy FOLDER)",
+    "sft": "supervised fine-tuning on conversations (molt sft --config recipes/sft_tiny.yaml)",
+}
 _UNKNOWN = re.compile(r"does not accept option '([^']+)'|unrecognized arguments: (\S+)|Option '([^']+)' is not acc")
 
 
@@ -178,9 +187,22 @@ def _name(fn) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
 
 
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    return "usage: molt COMMAND [options]   (molt COMMAND --help: its options)\n\ncommands:\n" + "\n".join(
+        f"  {name:<{width}}  {what}" for name, what in COMMANDS.items())
+
+
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
     MoltParser.read.clear()
+    if argv[:1] in ([], ["-h"], ["--help"]):  # `molt` alone: the commands too, but it is a usage error
+        print(usage())
+        sys.exit(0 if argv else 2)
+    if not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        print(f"molt: no command {argv[0]!r}: the commands are {', '.join(COMMANDS)} (`molt --help` says what each "
+              "does)", file=sys.stderr)
+        sys.exit(2)
     if argv[:1] == ["serve"]:  # `molt serve`: a vLLM server for the remote engine (molt_lightning.commands.serve)
         from .serve import main as serve
 
@@ -189,30 +211,33 @@ def main(args: list[str] | None = None) -> None:
         from .export import main as export
 
         return export(argv[1:])
-    if argv[:1] == ["eval"]:
-        # `molt eval --config RECIPE`: the recipe's evaluation alone (molt_lightning.rollout.heldout)
-        return evaluate_main(argv[1:])
-    if argv[:1] == ["sft"]:  # `molt sft --config RECIPE`: supervised fine-tuning (molt_lightning.commands.sft)
-        from .sft import main as sft
-
-        return sft(argv[1:], MoltParser)
-    from ..callbacks.checkpoint import DiskFull
-    from ..callbacks.runlog import QuietTerminal
-    from ..engines import EngineUnavailable
     from ..extras import MissingExtra
+
+    try:
+        if argv[:1] == ["eval"]:
+            # `molt eval --config RECIPE`: the recipe's evaluation alone (molt_lightning.rollout.heldout)
+            from .eval import main as evaluate
+
+            return evaluate(argv[1:], molt_cli, MoltParser)
+        if argv[:1] == ["sft"]:  # `molt sft --config RECIPE`: supervised fine-tuning (molt_lightning.commands.sft)
+            from .sft import main as sft
+
+            return sft(argv[1:], MoltParser)
+    except MissingExtra as e:  # an extra the recipe needs (a SmolLM2 policy, reasoning-gym tasks): one line
+        print(f"molt: {e}", file=sys.stderr)
+        sys.exit(1)
+    from ..callbacks.checkpoint import DiskFull
+    from ..callbacks.runlog import QuietTerminal, quieted
+    from ..engines import EngineUnavailable
     from ..module import AsyncRLModule
     from ..rollout.source import RolloutFailures, RolloutStopped
 
     quiet: list[QuietTerminal] = []  # the fit's quiet terminal, once it is set up
-    failed = True
     try:
-        molt_cli(quiet)(AsyncRLModule, save_config_kwargs={"overwrite": True}, parser_class=MoltParser, args=args,
-                        parser_kwargs={"prog": "molt"},  # also under python -m molt_lightning.commands.cli
-                        auto_configure_optimizers=False)
-        failed = False
-    except SystemExit as e:
-        failed = e.code not in (0, None)
-        raise
+        with quieted(quiet):  # a failure below shows the end of the log
+            molt_cli(quiet)(AsyncRLModule, save_config_kwargs={"overwrite": True}, parser_class=MoltParser,
+                            args=args, parser_kwargs={"prog": "molt"},  # also under python -m ...commands.cli
+                            auto_configure_optimizers=False)
     # SIGTERM while waiting for rollouts (the engine is shut down by now: exit 143); the failure breaker; remote
     # engines gone or not answering; a checkpoint that did not fit (the earlier ones are intact): one line each
     except (RolloutStopped, RolloutFailures, EngineUnavailable, DiskFull, MissingExtra) as e:
@@ -225,28 +250,27 @@ def main(args: list[str] | None = None) -> None:
             raise
         print(f"molt: {why}", file=sys.stderr)
         sys.exit(1)
-    finally:
-        if quiet:
-            quiet[0].end(failed)
 
 
 def molt_cli(quiet: list | None = None):
-    """The LightningCLI class of ``molt`` (made on demand: importing Lightning's CLI costs a second); ``quiet`` gets
-    the fit's quiet terminal once it is set up."""
+    """The LightningCLI class of ``molt`` (made on demand: importing Lightning's CLI costs a second); given a list,
+    ``quiet`` gets a quiet terminal (``wants_quiet``) when the classes are made."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
-    from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.plugins import CheckpointIO
 
-    from ..callbacks import StepProgressBar
     from ..callbacks.checkpoint import AtomicCheckpointIO
-    from ..callbacks.runlog import QuietTerminal, RunSummary, wants_quiet
+    from ..callbacks.runlog import QuietTerminal, RunSummary, terminal_callbacks, wants_quiet
     from ..extras import require_for
     from ..trainer.parallel import LORA_UNDER_FSDP2, STRATEGIES, SUPPORTED
 
-    quiet = [] if quiet is None else quiet
+    asked, quiet = quiet is not None, [] if quiet is None else quiet
 
     class MoltCLI(LightningCLI):
+        @staticmethod
+        def subcommands() -> dict[str, set[str]]:  # fit only: AsyncRLModule has no validation, test or predict step
+            return {"fit": LightningCLI.subcommands()["fit"]}
+
         def before_instantiate_classes(self) -> None:
             # an extra the recipe needs and .venv lacks: one line with its install command (molt eval's too)
             require_for(self.config[self.subcommand] if self.subcommand else self.config)
@@ -260,7 +284,7 @@ def molt_cli(quiet: list | None = None):
 
         def instantiate_classes(self) -> None:
             with self._answered():
-                if self.subcommand == "fit" and wants_quiet():
+                if asked and wants_quiet():
                     quiet.append(QuietTerminal())
                 super().instantiate_classes()
 
@@ -284,12 +308,10 @@ def molt_cli(quiet: list | None = None):
             if isinstance(strategy, str) and strategy not in STRATEGIES:
                 hint = " (FSDP1 needs a GPU; FSDP2 runs on the CPU too)" if strategy.startswith("fsdp") else ""
                 raise ValueError(f"--trainer.strategy {strategy!r} is not supported: use {SUPPORTED}{hint}")
-            callbacks = list(trainer.get("callbacks") or [])
             terminal = quiet[0].terminal if quiet else None
-            if trainer.get("enable_progress_bar") is not False \
-                    and not any(isinstance(c, ProgressBar) for c in callbacks):
-                callbacks.append(StepProgressBar(console_kwargs={"file": terminal} if terminal else None))
-            kwargs["callbacks"] = [*callbacks, RunSummary(out=terminal)]
+            kwargs["callbacks"] = terminal_callbacks(list(trainer.get("callbacks") or []),
+                                                     trainer.get("enable_progress_bar") is not False, terminal,
+                                                     RunSummary(out=terminal))
             kwargs.update(unlogged_root(trainer))
             plugins = trainer.get("plugins") or []
             plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
@@ -298,86 +320,6 @@ def molt_cli(quiet: list | None = None):
             return super().instantiate_trainer(**kwargs)
 
     return MoltCLI
-
-
-# ----- molt eval -----
-def evaluate_main(argv: list[str]) -> None:
-    """``molt eval --config RECIPE [--ckpt CKPT] [--out FILE] [--model.policy FOLDER] [other recipe keys]``: one round
-    of the recipe's ``Evaluate`` callback on a policy folder (the recipe's ``model.policy``, or another one), or on a
-    checkpoint (exported first, a LoRA adapter merged), with the recipe's engine and agent; prints the table and
-    writes the metrics and per-prompt rewards as JSON to ``--out``."""
-    import argparse
-    import json
-    import tempfile
-    import warnings
-
-    from ..callbacks.evaluate import Evaluate
-    from ..rollout.heldout import per_prompt_rewards, report, summarize
-    from ..module import AsyncRLModule
-
-    if {"-h", "--help"} & set(argv):
-        print("usage: molt eval --config RECIPE.yaml [--ckpt CKPT] [--out FILE.json] [--model.policy FOLDER] "
-              "[--trainer.KEY VALUE] [--model.KEY VALUE]\n\n" + inspect.cleandoc(evaluate_main.__doc__ or "")
-              + "\n\n`molt fit --help` lists every recipe key.")
-        return
-    p = argparse.ArgumentParser(prog="molt eval", add_help=False)
-    p.add_argument("--ckpt", default=None, help="a checkpoint of molt fit to evaluate (exported first)")
-    p.add_argument("--out", default=None, help="write the metrics and per-prompt rewards here (JSON)")
-    ours, rest = p.parse_known_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        if ours.ckpt:
-            from .export import export
-
-            rest = [*rest, "--model.policy", str(export(ours.ckpt, tmp, merge=True))]
-        # "args and sys.argv both given": the eval's own flags are not LightningCLI's
-        with warnings.catch_warnings(action="ignore", category=UserWarning):
-            cli = molt_cli()(AsyncRLModule, run=False, args=rest, parser_class=MoltParser,
-                             parser_kwargs={"prog": "molt eval"}, auto_configure_optimizers=False,
-                             save_config_callback=None)
-        found = [c for c in cli.trainer.callbacks if isinstance(c, Evaluate)]
-        if not found:
-            raise SystemExit("molt eval: the recipe has no molt_lightning.callbacks.Evaluate under trainer.callbacks: "
-                             "add one with the held-out tasks (docs/workflow.md)")
-        evaluate, module = found[0], cli.model
-        try:
-            outcomes, seconds = evaluate_policy(module, evaluate)
-        except ValueError as e:  # a policy folder that is not one: the message names the fix
-            raise SystemExit(str(e)) from None
-    summary = summarize(outcomes, evaluate.k)
-    print(report(summary, evaluate.k))
-    print(f"molt eval: {len(outcomes)} runs in {seconds:.1f} s")
-    if ours.out:
-        with open(ours.out, "w") as f:
-            json.dump({"policy": module.hparams.policy, "k": evaluate.k, "seconds": seconds, "metrics": summary,
-                       "per_prompt": per_prompt_rewards(outcomes)}, f, indent=1)
-
-
-def evaluate_policy(module, evaluate) -> tuple[list, float]:
-    """One round of ``evaluate`` on ``module``'s policy folder and engine, outside training."""
-    import os
-
-    from transformers import AutoConfig, AutoTokenizer
-
-    from ..agents.sessions import AgentSessions
-    from ..trainer.policy import policy_folder
-
-    if os.path.exists(os.path.join(str(module.hparams.policy), "adapter_config.json")):
-        raise ValueError(f"molt eval: {module.hparams.policy} is a LoRA adapter folder: export with --merge (or pass "
-                         "--ckpt)")
-    path = policy_folder(module.hparams.policy)
-    rollout = module.rollout
-    evaluate.select(module.source.tasks, fitting=False)
-    sessions = AgentSessions.for_run(module.engine, path, AutoTokenizer.from_pretrained(path), rollout,
-                                     AutoConfig.from_pretrained(path))
-    module.engine.seed_from(rollout.task_seed)
-    module.engine.launch(path)
-    try:
-        sessions.start()
-        outcomes, seconds = module.engine.call(evaluate.run(sessions, module.source.agent, rollout), timeout=None)
-        sessions.stop()
-    finally:
-        module.engine.release()
-    return outcomes, seconds
 
 
 if __name__ == "__main__":  # vLLM's engine core starts with spawn: keep the entry point guarded

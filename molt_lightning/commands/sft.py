@@ -279,21 +279,36 @@ class SFTModule(L.LightningModule):
 
 # ----- molt sft -----
 def main(argv: list[str], parser_class) -> None:
-    cli = sft_cli(argv, parser_class)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    """Fits with ``molt fit``'s terminal: a step bar and a summary (the loss at the start and the end: sft measures
+    no skill), on a terminal (``wants_quiet``) everything else in ``molt.log`` in the run folder; then where the
+    policy went."""
+    from pathlib import Path
+
+    from ..callbacks.runlog import quieted
+
+    quiet: list = []
+    with quieted(quiet):
+        cli = sft_cli(argv, parser_class, quiet)
+        if quiet:
+            logger = cli.trainer.logger
+            quiet[0].move_to(Path(logger.log_dir if logger else cli.trainer.default_root_dir) / "molt.log")
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    out = cli.model.hparams.out
+    if out and cli.trainer.global_rank == 0:
+        print(f"  trained policy: {out} (a model.policy: molt fit --config RECIPE --model.policy {out})", flush=True)
 
 
-def sft_cli(argv: list[str], parser_class):
+def sft_cli(argv: list[str], parser_class, quiet: list | None = None):
     """``molt sft --config RECIPE [--trainer.KEY VALUE] [--model.KEY VALUE] [--data.KEY VALUE]``: LightningCLI over
     ``SFTModule`` and ``SFTData`` (``data.policy`` follows ``model.policy``) with ``molt``'s parser (``parser_class``:
     ``cli.MoltParser``). The data is read, checked and rendered before the Trainer starts; a bad recipe or row is
-    answered with the fix, without a traceback."""
+    answered with the fix, without a traceback. Given a list, ``quiet`` gets a quiet terminal (``wants_quiet``)."""
     import warnings
 
     from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.cli import LightningCLI
 
-    from ..callbacks.runlog import unlogged_root
+    from ..callbacks.runlog import QuietTerminal, RunSummary, terminal_callbacks, unlogged_root, wants_quiet
 
     class SFTCLI(LightningCLI):
         def add_arguments_to_parser(self, parser) -> None:
@@ -301,6 +316,8 @@ def sft_cli(argv: list[str], parser_class):
 
         def instantiate_classes(self) -> None:
             try:
+                if quiet is not None and wants_quiet():
+                    quiet.append(QuietTerminal())
                 super().instantiate_classes()
                 check_strategy(self.trainer.strategy)  # answered here, not as a traceback once fit starts
                 self.datamodule.load()
@@ -308,7 +325,12 @@ def sft_cli(argv: list[str], parser_class):
                 self.parser.error(str(e), e)
 
         def instantiate_trainer(self, **kwargs):
-            kwargs.update(unlogged_root(self._get(self.config_init, "trainer", default={})))
+            trainer = self._get(self.config_init, "trainer", default={})
+            terminal = quiet[0].terminal if quiet else None
+            kwargs["callbacks"] = terminal_callbacks(list(trainer.get("callbacks") or []),
+                                                     trainer.get("enable_progress_bar") is not False, terminal,
+                                                     RunSummary(out=terminal, metric="train/loss", digits=".3g"))
+            kwargs.update(unlogged_root(trainer))
             return super().instantiate_trainer(**kwargs)
 
     # "args and sys.argv both given": `sft` is molt's word, not LightningCLI's

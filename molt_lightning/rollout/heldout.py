@@ -7,7 +7,8 @@ as correct (``reward >= success``), the answer the agent read from the reply (``
 ``agents.Answer``'s), and the policy versions of its tokens. A run that fails (the agent raised, timed out, the verifier
 failed) scores 0 and is counted as ``failed``.
 
-``summarize`` turns a round into metrics per source (the sample's ``source``, else ``heldout``):
+``summarize`` turns a round into metrics per source (the sample's ``source``, else ``heldout``; ``table`` prints them,
+``report`` in one line per source):
 - ``avg@k``: the mean reward (over prompts of the mean over their k runs);
 - ``pass@1`` and ``pass@k``: the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on
   Code", eq. 1 in its numerically stable product form), averaged over prompts;
@@ -126,8 +127,9 @@ def per_prompt_rewards(outcomes: list[Outcome]) -> dict[str, list[float]]:
 
 async def run_round(samples: list[dict], agent: Callable, sessions: AgentSessions, *, k: int, temperature: float,
                     success: float = 1.0, seed: int = 0, concurrency: int = 64, timeout_s: float = 300.0,
-                    ) -> list[Outcome]:
-    """``k`` runs of ``agent`` per sample on ``sessions``' engine; run on the engine's loop."""
+                    done: Callable[[], None] | None = None) -> list[Outcome]:
+    """``k`` runs of ``agent`` per sample on ``sessions``' engine; run on the engine's loop; ``done()`` after each run
+    (a progress bar's)."""
     from .source import request_seed, run_agent  # the same runs and seeding as training, from its own seed
 
     gate = asyncio.Semaphore(concurrency)
@@ -139,6 +141,8 @@ async def run_round(samples: list[dict], agent: Callable, sessions: AgentSession
         async with gate:
             why = await run_agent(agent, sessions, traj, request_seed(seed, i, member), timeout_s,
                                   temperature=temperature)
+        if done is not None:
+            done()
         versions = [v for span in traj.policy_spans() for v in span.versions or []]
         span = (min(versions), max(versions)) if versions else None
         if why is not None:  # an evaluation run that fails scores 0, counted
@@ -159,6 +163,22 @@ def report(round_metrics: dict[str, dict[str, float]], k: int) -> str:
         lines.append(f"{source}: {int(m['prompts'])} prompts x {k}: " + ", ".join(cells)
                      + f"; failed {int(m['failed'])}; versions {int(m['version_min'])}-{int(m['version_max'])}")
     return "\n".join(lines)
+
+
+def table(round_metrics: dict[str, dict[str, float]], k: int) -> str:
+    """A round as a table: a row per source and metric (avg@k, pass@1, pass@k, maj@k) with its value and 95% interval
+    (``-`` with one prompt), then a line per source with its prompts, failures and policy versions."""
+    rows = [("source", "metric", "value", "95% interval")]
+    for source, m in round_metrics.items():
+        for name in dict.fromkeys((f"avg@{k}", "pass@1", f"pass@{k}", f"maj@{k}")):
+            if name in m:
+                lo, hi = m[name + "_lo"], m[name + "_hi"]
+                rows.append((source, name, f"{m[name]:.3f}", "-" if math.isnan(lo) else f"[{lo:.3f}, {hi:.3f}]"))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines + [f"{source}: {int(m['prompts'])} prompts x {k} runs, {int(m['failed'])} failed, policy "
+                               f"versions {int(m['version_min'])}-{int(m['version_max'])}"
+                               for source, m in round_metrics.items()])
 
 
 def dump(path: str, record: dict) -> None:
