@@ -19,7 +19,6 @@ import inspect
 import json
 import os
 import re
-import shlex
 import socket
 import subprocess
 import sys
@@ -202,6 +201,17 @@ def test_the_listed_tests_exist():
             assert not name or f"def {name}(" in (ROOT / path).read_text(), f"{key}: {path} has no {name}"
 
 
+def test_the_readme_activates_the_venv_before_its_first_command(tmp_path):
+    """`make train` puts molt in .venv/bin, which a new shell does not have on PATH: the README's first command block
+    activates it first, and only then is `molt` found."""
+    first = next(t for k, lang, t in blocks() if k.startswith("README.md: ") and "molt " in t)
+    assert commands(first)[0] == ACTIVATE
+    cwd = scratch(tmp_path)
+    bare = subprocess.run(["bash", "-c", "command -v molt"], cwd=cwd, env=shell_env(), capture_output=True, text=True)
+    assert bare.returncode != 0, bare.stdout  # a new shell: no molt
+    assert run("command -v molt", cwd).strip().endswith(".venv/bin/molt")
+
+
 def test_the_command_splitter():
     assert commands("a b  # c\n# d\n\ne \\\n  f\n") == ["a b", "e f"]
 
@@ -217,9 +227,15 @@ def scratch(tmp_path: Path) -> Path:
 
 
 def shell_env() -> dict:
+    """A new shell's environment: .venv/bin is not on PATH until the README's `source .venv/bin/activate` runs."""
     logs = ROOT.parent / "shared" / "real-logs"  # scripts/real_logs_examples.sh's default, from the scratch folder
-    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "HF_HUB_OFFLINE": "1", "MOLT_QUIET": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1", "MOLT_REAL_LOGS": os.environ.get("MOLT_REAL_LOGS", str(logs))}
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if Path(p).resolve() != BIN.resolve())
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    return {**env, "PATH": path, "HF_HUB_OFFLINE": "1", "MOLT_QUIET": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "MOLT_REAL_LOGS": os.environ.get("MOLT_REAL_LOGS", str(logs))}
+
+
+ACTIVATE = "source .venv/bin/activate"  # the README's once-per-shell line; every command runs after it
 
 
 def suite_command(cmd: str, how: str) -> str:
@@ -233,8 +249,8 @@ def suite_command(cmd: str, how: str) -> str:
 
 
 def run(cmd: str, cwd: Path, timeout: float = 900) -> str:
-    done = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=shell_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    done = subprocess.run(["bash", "-c", f"{ACTIVATE} && {cmd}"], cwd=cwd, env=shell_env(), capture_output=True,
+                          text=True, timeout=timeout)
     assert done.returncode == 0, f"`{cmd}` failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout + done.stderr
 
@@ -244,7 +260,7 @@ def serve_and_ask(cmd: str, cwd: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen(shlex.split(cmd) + ["--port", str(port)], cwd=cwd, env=shell_env(),
+    server = subprocess.Popen(["bash", "-c", f"{ACTIVATE} && exec {cmd} --port {port}"], cwd=cwd, env=shell_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline, models = time.monotonic() + 300, None
