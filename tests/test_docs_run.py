@@ -212,6 +212,13 @@ def test_the_readme_activates_the_venv_before_its_first_command(tmp_path):
     assert run("command -v molt", cwd).strip().endswith(".venv/bin/molt")
 
 
+def test_what_the_readme_commands_write_is_ignored_by_git():
+    """The README's runs write runs/ and out/ in the checkout: git status stays clean (before: out/ was not ignored)."""
+    written = {"runs/default/version_0/metrics.csv", "out/model.safetensors"}
+    done = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=ROOT, capture_output=True, text=True)
+    assert set(done.stdout.split()) == written, done.stdout
+
+
 def test_the_command_splitter():
     assert commands("a b  # c\n# d\n\ne \\\n  f\n") == ["a b", "e f"]
 
@@ -303,7 +310,7 @@ def test_the_dataset_recipe_is_shown_as_it_ships():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_the_dataset_recipe_runs_on_the_policy_it_names(tmp_path):
+def test_the_dataset_recipe_runs_on_smollm2_as_it_names(tmp_path):
     """recipes/dataset.yaml (SmolLM2, math-verify) on a small dataset of the test's: a metrics row per step, the
     held-out rounds, reward.png, as docs/workflow.md says."""
     cwd = scratch(tmp_path)
