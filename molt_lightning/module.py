@@ -45,9 +45,10 @@ from .engines.torch_engine import TorchEngine
 from .policies import lora as lora_
 from .rollout.source import RolloutSource
 from .trainer import lightning_compat, parallel
-from .trainer.plan import Constants, StepMetrics, any_row, batch_metrics, constants, plan, rows_of
+from .trainer.plan import Constants, StepMetrics, any_row, batch_metrics, constants, plan, rows_of, selected
 from .trainer.policy import (Policy, check_vocab, frozen_policy, policy_folder, rng_state, set_rng_state,
                              teacher_folder, trainable_lm)
+from .trainer.record import StepRecord
 from .trainer.weights import WeightFlow
 from .trajectory import Batch, collate
 
@@ -211,8 +212,10 @@ class AsyncRLModule(L.LightningModule):
 
         steps = b.updates_per_batch * len(minis)  # optimizer steps this batch makes
         consts = constants(self.policy, self.reference, batch, minis, self.rollout.temperature, steps, self.trainer,
-                           self.teacher)
-        mask = batch.loss_mask[:, 1:]  # (N, T-1)
+                           self.teacher, entropy=self.fns.needs_entropy)
+        mask = batch.loss_mask[:, 1:]  # (N, T-1): every policy token; advantages see every sample
+        batch, selection = selected(batch, self.fns.select, consts.entropy, algo)  # token selection (registry) ...
+        minis = plan(batch, world, rank, b.mini_batches, b.micro_batch_tokens)  # ... then the norms of what it kept
         rewards = outcomes.rewards  # (M,)
         shaped = self.fns.shape_rewards(rewards, outcomes, algo)  # (M,)
         with torch.no_grad():  # advantages are constants of the loss, even when they read the value head
@@ -224,7 +227,8 @@ class AsyncRLModule(L.LightningModule):
                 adv.advantages += self.fns.distill(batch.engine_logprobs[:, 1:], consts.teacher, mask, algo)
 
         opt, stats = self.optimizers(), StepMetrics()
-        for _ in range(b.updates_per_batch):
+        record = StepRecord.start(batch, mask, minis, version, adv.advantages, consts.old)  # for the callbacks
+        for epoch in range(b.updates_per_batch):
             for mb in minis:
                 opt.zero_grad()
                 for i, rows in enumerate(mb.micro):
@@ -232,7 +236,8 @@ class AsyncRLModule(L.LightningModule):
                     with parallel.grad_sync(self.trainer.strategy, self.policy, enabled=last):
                         # an empty micro-batch (another rank has more) runs a real row with weight 0: the
                         # collectives of DDP and FSDP2 must line up across ranks
-                        loss, metrics, tokens = self.micro_loss(batch, rows or any_row(mb), adv, consts, mb.norm)
+                        loss, metrics, tokens = self.micro_loss(batch, rows or any_row(mb), adv, consts, mb.norm,
+                                                                record if epoch == 0 and rows else None)
                         self.manual_backward(loss * (world if rows else 0.0))  # DDP/FSDP2 average over ranks
                     if rows:
                         stats.add(metrics, tokens)
@@ -244,18 +249,21 @@ class AsyncRLModule(L.LightningModule):
         train_compute_s = time.perf_counter() - t0 - trainer_idle_s
 
         metrics, lag, n = batch_metrics(batch, minis, shaped, steps, version)
-        self.log_dict({**stats.reduce(self.trainer), **metrics, **self.weights.metrics()}, on_step=True, batch_size=n)
+        self.log_dict({**stats.reduce(self.trainer), **metrics, **selection, **self.weights.metrics()}, on_step=True,
+                      batch_size=n)
         self.log("reward", rewards.mean(), prog_bar=True, on_step=True, batch_size=n)
         self.log("lag", lag, prog_bar=True, on_step=True, batch_size=n)
-        rows = sorted(r for mb in minis for rows in mb.micro for r in rows)
-        return {"batch": batch, "rows": rows, "trainer_idle_s": trainer_idle_s, "train_compute_s": train_compute_s}
+        record.trainer_idle_s, record.train_compute_s = trainer_idle_s, train_compute_s
+        return {"record": record}  # what the step computed: every callback's on_train_batch_end (trainer.record)
 
-    def micro_loss(self, batch: Batch, rows: list[int], adv, consts: Constants, norm: Norm):
-        """Loss of one micro-batch (``rows`` of ``batch``), normalized by its mini-batch's ``norm``."""
+    def micro_loss(self, batch: Batch, rows: list[int], adv, consts: Constants, norm: Norm,
+                   record: StepRecord | None = None):
+        """Loss of one micro-batch (``rows`` of ``batch``), normalized by its mini-batch's ``norm``; what it computed
+        goes to ``record`` when given (the first update epoch)."""
         sub, idx = rows_of(batch, rows), torch.tensor(rows, device=self.device)
         cut = sub.input_ids.shape[1] - 1  # the sub-batch's width, less one: (n, cut) tensors below
         out = self.policy.outputs(sub.input_ids, sub.attention_mask, sub.loss_mask, self.rollout.temperature,
-                                  entropy_grad=self.algo.entropy_coef > 0, routing=sub.routing, images=sub.images)
+                                  entropy_grad=self.fns.entropy_grad, routing=sub.routing, images=sub.images)
         mask, const = sub.loss_mask[:, 1:], consts.rows(idx, cut)  # (n, cut); the constants of these rows
         corr = off_policy(out.logprobs if const.old is None else const.old, sub.engine_logprobs[:, 1:], mask, self.algo)
         inputs = LossInputs(
@@ -267,6 +275,8 @@ class AsyncRLModule(L.LightningModule):
         if const.teacher is not None:  # k1 estimate of KL(student || teacher) on the sampled tokens
             metrics["distill/reverse_kl"] = masked_mean(sub.engine_logprobs[:, 1:] - const.teacher, mask)
         loss = loss + out.aux_loss * float(mask.sum()) / norm.tokens  # a per-position mean, weighted like the tokens
+        if record is not None:
+            record.fill(idx, cut, out.logprobs, out.entropy, corr.weight, const.old is not None)
         return loss, {**metrics, **corr.metrics, **out.router_metrics}, float(mask.sum())
 
     # ----- checkpoints -----

@@ -72,7 +72,7 @@ class Batches(L.Callback):
         self.seen = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.seen.append(outputs["batch"].to("cpu"))
+        self.seen.append(outputs["record"].batch.to("cpu"))
 
 
 def fit(module, tmp_path, steps, callbacks=()):

@@ -40,7 +40,7 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         m = trainer.callback_metrics
-        trained = outputs["batch"].trajectories
+        trained = outputs["record"].batch.trajectories
         self.steps.append({**{k: float(m[k]) for k in KEYS}, "samples": sorted(t.sample_id for t in trained),
                            "policy_tokens": sum(t.num_policy_tokens for t in trained)})
 

@@ -5,7 +5,9 @@
   functions, under ``if TYPE_CHECKING:``, and string constants that name a module (``"molt_lightning.x.y.Name"``, as
   vLLM's ``worker_extension_cls`` or a recipe default);
 - no import cycle among the package's modules, by the same edges;
-- no core file over 400 lines, ``module.py`` at most 300, ``AsyncRLModule.__init__`` at most 15 parameters.
+- no core file over 400 lines, ``AsyncRLModule.__init__`` at most 15 parameters;
+- the loop (``module.py``) reads no field of the recipe's ``Algorithm``: every branch on a recipe setting lives in a
+  registry function (``test_the_loop_names_no_algorithm``).
 
 A failure names the file and line of each import that breaks a rule.
 """
@@ -178,7 +180,24 @@ def test_file_sizes_and_the_modules_arguments():
     core = [p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] not in ("bench", "models", "tasks")]
     big = {str(p.relative_to(PACKAGE)): n for p in core if (n := len(p.read_text().splitlines())) > 400}
     assert not big, f"core files over 400 lines: {big}"
-    assert len((PACKAGE / "module.py").read_text().splitlines()) <= 300
     import inspect
 
     assert len(inspect.signature(AsyncRLModule.__init__).parameters) - 1 <= 15  # less self
+
+
+def test_the_loop_names_no_algorithm():
+    """What module.py is for: the loop reads like the algorithm, and a research idea does not edit it. So it reads no
+    field of the recipe's ``Algorithm`` (``algo.clip_high``, ``self.algo.entropy_coef > 0``): every choice on a recipe
+    setting lives in a registry function or in ``algorithms.build``'s ``Functions``, and the loop passes the record
+    whole. (This replaced a 300-line cap, which turned a two-line switch into a re-export and a folded line.)"""
+    import dataclasses
+
+    from molt_lightning.algorithms import Algorithm
+
+    fields = {f.name for f in dataclasses.fields(Algorithm)} | {"shapers", "selections"}
+    tree = ast.parse((PACKAGE / "module.py").read_text())
+    read = [(node.lineno, f"{ast.unparse(node.value)}.{node.attr}") for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr in fields
+            and ast.unparse(node.value).split(".")[-1] in ("algo", "cfg", "algorithm")]
+    assert not read, "module.py reads Algorithm fields (move the choice into a registry function or Functions): " + \
+        ", ".join(f"line {line}: {name}" for line, name in read)

@@ -11,6 +11,7 @@ picked by name (or a user's dotted path) from the recipe's ``Algorithm`` record.
 | IS level/mode    | see correction.py                                           | ``IS_LEVELS``... | correction.py |
 | reward shaping   | ``fn(rewards (M,), outcomes, cfg) -> (M,)``                 | ``REWARD_SHAPERS``| shaping.py   |
 | group filter     | ``fn(rewards: list[float]) -> bool``                        | ``GROUP_FILTERS``| shaping.py    |
+| token selection  | ``fn(SelectionInputs, cfg) -> mask (N, T)``                 | ``SELECTIONS``   | selection.py  |
 
 Adding one costs one function, one registry line and one test. ``build(cfg)`` checks the record and resolves every
 name once, so a typo fails at construction with the list of choices, not mid-run.
@@ -29,6 +30,7 @@ from .correction import IS_FORMS, IS_LEVELS, IS_MODES, Correction, off_policy
 from .losses import LossInputs, masked_mean
 from .objective import AGGREGATIONS, KL_ESTIMATORS, objective
 from .registry import resolve
+from .selection import SELECTIONS, SelectionInputs, chained
 from .shaping import GROUP_FILTERS, REWARD_SHAPERS, chain
 
 ADVANTAGES: dict[str, Callable] = {
@@ -48,6 +50,9 @@ class Functions:
     loss: Callable  # fn(LossInputs, cfg) -> (per-token loss, metrics)
     shape_rewards: Callable  # fn(rewards, outcomes, cfg) -> rewards (the recipe's shapers, in order)
     group_filter: Callable | None  # fn(rewards: list[float]) -> keep?; None keeps every group
+    select: Callable  # fn(SelectionInputs, cfg) -> mask: the recipe's token selections, in order (none: the mask)
+    needs_entropy: bool  # a selection reads the policy's entropies before the update
+    entropy_grad: bool  # entropy_coef > 0: the entropy bonus needs the entropies' gradient
     needs_values: bool  # the estimator reads a value head (GAE)
     needs_reference: bool  # kl_coef > 0: a frozen copy of the initial policy
     distill: Callable | None  # distill_coef > 0: fn(student, teacher logprobs, mask, cfg) -> (N, T) added advantage
@@ -63,11 +68,12 @@ def build(cfg: Algorithm, teacher: str | None = None) -> Functions:
                                  (cfg.is_mode, IS_MODES, "is_mode"), (cfg.is_form, IS_FORMS, "is_form"),
                                  (cfg.kl_estimator, KL_ESTIMATORS, "kl_estimator")]:
         resolve(name, registry, what)  # fail now, with the choices, rather than at the first step
-    advantage = resolve(cfg.advantage, ADVANTAGES, "advantage")
+    advantage, select = resolve(cfg.advantage, ADVANTAGES, "advantage"), chained(cfg.selections)
     return Functions(
         advantage=advantage, loss=resolve(cfg.loss, LOSSES, "loss"),
         shape_rewards=chain([resolve(name, REWARD_SHAPERS, "reward_shaping") for name in cfg.shapers]),
         group_filter=resolve(cfg.group_filter, GROUP_FILTERS, "group_filter"),
+        select=select, needs_entropy=select.needs_entropy, entropy_grad=cfg.entropy_coef > 0,
         needs_values=getattr(advantage, "needs_values", False), needs_reference=cfg.kl_coef > 0,
         distill=adv.distill if cfg.distill_coef > 0 else None,
     )
@@ -75,6 +81,7 @@ def build(cfg: Algorithm, teacher: str | None = None) -> Functions:
 
 __all__ = [
     "ADVANTAGES", "AGGREGATIONS", "GROUP_FILTERS", "IS_FORMS", "IS_LEVELS", "IS_MODES", "KL_ESTIMATORS", "LOSSES",
-    "REWARD_SHAPERS", "AdvantageInputs", "Advantages", "Algorithm", "Correction", "Functions", "LossInputs", "build",
+    "REWARD_SHAPERS", "SELECTIONS", "AdvantageInputs", "Advantages", "Algorithm", "Correction", "Functions",
+    "LossInputs", "SelectionInputs", "build",
     "masked_mean", "objective", "off_policy", "on_last_turn", "resolve",
 ]

@@ -21,6 +21,7 @@ class Algorithm:
     aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
     reward_shaping: str | list[str] = "none"  # none | overlong | stop_properly | length, or a list applied in order
     group_filter: str = "none"  # none | nonzero_std (DAPO dynamic sampling)
+    token_selection: str | list[str] = "none"  # none | top_entropy | overlong_filter, or a list applied in order
     # ----- advantages -----
     scale_by_std: bool = True  # GRPO: divide by the group's reward std (False: Dr. GRPO's mean-only estimator)
     eps: float = 1e-6  # added to every std we divide by
@@ -46,6 +47,8 @@ class Algorithm:
     kl_coef: float = 0.0  # > 0 loads a frozen reference policy and adds kl_coef * KL(policy || reference) per token
     kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman 2020)
     entropy_coef: float = 0.0  # entropy bonus: the loss subtracts entropy_coef * per-token entropy
+    # ----- token selection (selection.py) -----
+    top_entropy_share: float = 0.2  # top_entropy: the share of the batch's policy tokens, highest entropy first
     # ----- reward shaping (DAPO overlong) -----
     overlong_max_tokens: int = 0  # L_max: longest response (policy tokens of a trajectory) before the full penalty
     overlong_buffer: int = 0  # L_cache: the penalty ramps from 0 to -overlong_penalty over the last this many tokens
@@ -54,6 +57,12 @@ class Algorithm:
     truncation_penalty: float = 1.0  # stop_properly: subtracted from a truncated trajectory's reward
     token_penalty: float = 0.0  # length: subtracted per policy token of the trajectory
     turn_penalty: float = 0.0  # length: subtracted per turn of the trajectory
+
+    @property
+    def selections(self) -> list[str]:
+        """``token_selection`` as a list of names (``none`` dropped)."""
+        names = [self.token_selection] if isinstance(self.token_selection, str) else list(self.token_selection)
+        return [n for n in names if n != "none"]
 
     @property
     def shapers(self) -> list[str]:
@@ -91,6 +100,8 @@ class Algorithm:
         if "overlong" in self.shapers and not 0 < self.overlong_buffer <= self.overlong_max_tokens:
             problems.append("reward_shaping 'overlong' needs 0 < overlong_buffer <= overlong_max_tokens "
                             f"(got {self.overlong_buffer}, {self.overlong_max_tokens})")
+        if not 0 < self.top_entropy_share <= 1:
+            problems.append(f"top_entropy_share={self.top_entropy_share} must lie in (0, 1] (0.2: the top 20%)")
         if problems:
             raise ValueError("algo: " + "; ".join(problems))
 

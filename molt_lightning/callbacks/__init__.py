@@ -7,7 +7,8 @@ from .plot import RewardPlot
 from .progress import StepProgressBar
 from .runlog import script_terminal
 from .samples import RolloutSamples
+from .update_kl import UpdateKL
 from .weight_sync import WeightSync
 
-__all__ = ["Evaluate", "RewardPlot", "RolloutMonitor", "RolloutSamples", "SampleAudit", "StepProgressBar", "WeightSync",
-           "script_terminal"]
+__all__ = ["Evaluate", "RewardPlot", "RolloutMonitor", "RolloutSamples", "SampleAudit", "StepProgressBar", "UpdateKL",
+           "WeightSync", "script_terminal"]

@@ -65,7 +65,7 @@ class SampleAudit(L.Callback):
         self._start(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        trajectories = outputs["batch"].trajectories
+        trajectories = outputs["record"].batch.trajectories
         metric = trainer.callback_metrics.get
         self._write(trainer, {
             "event": "train", "step": trainer.global_step, "version": pl_module.policy_version,

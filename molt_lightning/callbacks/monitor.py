@@ -36,17 +36,16 @@ class RolloutMonitor(L.Callback):
         pl_module.engine.take_stats()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        now = time.perf_counter()
+        now, record = time.perf_counter(), outputs["record"]
         wall, self._last = now - self._last, now
-        overhead = max(0.0, wall - outputs["trainer_idle_s"] - outputs["train_compute_s"]
-                       - outputs.get("weight_sync_s", 0.0))
-        metrics = {"perf/step_time_s": wall, "perf/trainer_idle_s": outputs["trainer_idle_s"],
-                   "perf/trainer_idle_frac": outputs["trainer_idle_s"] / wall,
-                   "perf/train_compute_s": outputs["train_compute_s"], "perf/overhead_s": overhead,
+        overhead = max(0.0, wall - record.trainer_idle_s - record.train_compute_s - outputs.get("weight_sync_s", 0.0))
+        metrics = {"perf/step_time_s": wall, "perf/trainer_idle_s": record.trainer_idle_s,
+                   "perf/trainer_idle_frac": record.trainer_idle_s / wall,
+                   "perf/train_compute_s": record.train_compute_s, "perf/overhead_s": overhead,
                    "perf/overhead_frac": overhead / wall}
         if trainer.global_rank == 0:
             # the batch: its tokens' versions were checked where it was built (trajectory.collate)
-            metrics.update(self._rollout(pl_module.source.counts_now(), outputs["batch"], wall))
+            metrics.update(self._rollout(pl_module.source.counts_now(), record.batch, wall))
             engine = pl_module.engine.take_stats()
             metrics["perf/engine_idle_frac"] = min(1.0, engine["engine_idle_s"] / wall)
             metrics["perf/gen_tokens_per_s"] = engine["generated_tokens"] / wall

@@ -25,7 +25,7 @@ class RolloutSamples(L.Callback):
         decode = pl_module.tokenizer.decode
         os.makedirs(trainer.logger.log_dir, exist_ok=True)
         with open(os.path.join(trainer.logger.log_dir, self.filename), "a") as f:
-            for traj in outputs["batch"].trajectories[: self.per_step]:
+            for traj in outputs["record"].batch.trajectories[: self.per_step]:
                 spans = [{"kind": s.kind.value, "text": decode(s.token_ids),
                           **({"versions": sorted(set(s.versions))} if s.versions else {})}
                          for seg in traj.segments for s in seg]

@@ -11,16 +11,18 @@ the same plan for all ranks without talking to the others:
   the accumulated gradient equals the gradient of the whole mini-batch at once, in every aggregation mode;
 - ``StepMetrics`` puts the parts' metrics back together into one value per step;
 - ``constants`` computes, in one no-grad pass over this rank's micro-batches, the per-token values an update needs
-  before its first optimizer step (PPO's old logprobs, the reference's logprobs, the value head's predictions).
+  before its first optimizer step (PPO's old logprobs, the reference's logprobs, the value head's predictions, the
+  entropies a token selection reads); ``policy_forward`` is the same pass for the policy alone, for callbacks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from . import parallel
+from ..algorithms import SelectionInputs
 from ..algorithms.objective import ADDITIVE_METRICS, Norm
 from ..trajectory import Batch
 
@@ -85,16 +87,29 @@ def plan(batch: Batch, world: int, rank: int, mini_batches: int = 1,
     return out
 
 
+def selected(batch: Batch, select, entropy: torch.Tensor | None, cfg) -> tuple[Batch, dict[str, float]]:
+    """``batch`` with its loss mask after the recipe's token selection (``algorithms.selection``: it sees every row of
+    every rank, so the plan's norms then count only the tokens kept), and what it kept: ``select/kept_frac`` (of the
+    policy tokens), ``select/samples_dropped`` (rows of samples that kept no token)."""
+    mask = batch.loss_mask[:, 1:]  # (N, T-1)
+    causes = [getattr(getattr(batch.trajectories[i], "truncation", None), "value", "") for i in batch.traj_ids.tolist()]
+    kept = select(SelectionInputs(mask, entropy, causes), cfg) & mask  # a selection only removes tokens
+    dropped = len({i for i, (a, k) in enumerate(zip(mask.any(-1).tolist(), kept.any(-1).tolist())) if a and not k})
+    metrics = {"select/kept_frac": float(kept.sum()) / max(float(mask.sum()), 1.0), "select/samples_dropped": dropped}
+    return replace(batch, loss_mask=torch.cat([batch.loss_mask[:, :1], kept], 1)), metrics
+
+
 def batch_metrics(batch: Batch, minis: list, shaped: torch.Tensor, steps: int, version: int
                   ) -> tuple[dict[str, float], torch.Tensor, int]:
     """The batch's own step metrics (rewards, lag, sizes, padding), its tokens' mean lag behind ``version`` (the
     trainer's, before the step) and its sample count."""
     mask, rewards = batch.loss_mask[:, 1:], batch.outcomes.rewards  # (N, T-1), (M,)
-    lag = (version - batch.versions[:, 1:][mask]).float()  # (tokens,)
-    return {"reward/shaped": shaped.mean(), "reward/std": rewards.std() if rewards.numel() > 1 else torch.tensor(0.0),
-            "lag/max": lag.max(), "batch/samples": float(rewards.numel()), "batch/policy_tokens": mask.sum().float(),
-            "batch/optimizer_steps": float(steps), "batch/padding_frac": padding_frac(batch, minis)
-            }, lag.mean(), rewards.numel()
+    lag = (version - batch.versions[:, 1:][mask]).float()  # (tokens,); none when a selection left no token
+    none = torch.tensor(0.0)
+    return {"reward/shaped": shaped.mean(), "reward/std": rewards.std() if rewards.numel() > 1 else none,
+            "lag/max": lag.max() if lag.numel() else none, "batch/samples": float(rewards.numel()),
+            "batch/policy_tokens": mask.sum().float(), "batch/optimizer_steps": float(steps),
+            "batch/padding_frac": padding_frac(batch, minis)}, lag.mean() if lag.numel() else none, rewards.numel()
 
 
 def padding_frac(batch: Batch, minis: list[MiniBatch]) -> float:
@@ -129,21 +144,48 @@ class Constants:
     ref: torch.Tensor | None = None  # the frozen reference's logprobs
     values: torch.Tensor | None = None  # the value head's predictions, every rank's rows
     teacher: torch.Tensor | None = None  # the distillation teacher's logprobs
+    entropy: torch.Tensor | None = None  # the policy's entropies before the update, every rank's rows (selections)
 
     def rows(self, idx: torch.Tensor, cut: int) -> Constants:
         """The constants of rows ``idx``, cut to ``cut`` positions."""
         return Constants(*(None if t is None else t[idx, :cut] for t in vars(self).values()))
 
 
+def micro_batches(batch: Batch, minis: list[MiniBatch]):
+    """(rows, sub-batch) of each of this rank's micro-batches, in the step's order; an empty one (another rank has
+    more) comes as ``([], a real row's sub-batch)``: run it, store nothing (the ranks' collectives line up)."""
+    for mb in minis:
+        for rows in mb.micro:
+            yield rows, rows_of(batch, rows or any_row(mb))
+
+
+@torch.no_grad()
+def policy_forward(policy, batch: Batch, minis: list[MiniBatch], temperature: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy's logprobs and entropies of the sampled tokens (N, T-1 each, on this rank's rows, 0 elsewhere and
+    off the loss mask), computed as the step computes them: its micro-batches, at the sampling temperature. For a
+    callback that needs a forward outside the step (e.g. after the update): ``policy_forward(module.policy,
+    record.batch, record.minis, module.rollout.temperature)``; every rank must call it (FSDP2's collectives)."""
+    logprobs, entropy = (torch.zeros(batch.loss_mask[:, 1:].shape, device=batch.input_ids.device) for _ in "le")
+    for rows, sub in micro_batches(batch, minis):
+        out = policy.outputs(sub.input_ids, sub.attention_mask, sub.loss_mask, temperature, routing=sub.routing,
+                             images=sub.images)
+        if rows:
+            idx, cut = torch.tensor(rows, device=logprobs.device), sub.input_ids.shape[1] - 1
+            logprobs[idx, :cut], entropy[idx, :cut] = out.logprobs, out.entropy
+    return logprobs, entropy
+
+
 @torch.no_grad()
 def constants(policy, reference, batch: Batch, minis: list[MiniBatch], temperature: float, optimizer_steps: int,
-              trainer, teacher=None) -> Constants:
+              trainer, teacher=None, entropy: bool = False) -> Constants:
     """PPO's old logprobs (when the batch makes more than one optimizer step), the reference's logprobs (KL), the
-    teacher's (distillation; a teacher engine's come with the batch), the value head's predictions (critic; gathered
-    from every rank, since advantages see the whole batch), each (N, T-1), filled on this rank's rows; nothing when
-    none is needed."""
+    teacher's (distillation; a teacher engine's come with the batch), the value head's predictions (critic) and the
+    policy's entropies (``entropy``: a token selection reads them), each (N, T-1), filled on this rank's rows (values
+    and entropies gathered from every rank: advantages and selections see the whole batch); nothing when none is
+    needed."""
     scored = None if batch.teacher_logprobs is None else batch.teacher_logprobs[:, 1:]  # by a teacher on an engine
-    if optimizer_steps == 1 and reference is None and policy.value_head is None and teacher is None:
+    if optimizer_steps == 1 and reference is None and policy.value_head is None and teacher is None and not entropy:
         return Constants(teacher=scored)
     shape, device = batch.loss_mask[:, 1:].shape, batch.input_ids.device  # (N, T-1)
 
@@ -152,29 +194,28 @@ def constants(policy, reference, batch: Batch, minis: list[MiniBatch], temperatu
 
     consts = Constants(old=zeros(optimizer_steps > 1), ref=zeros(reference is not None),
                        values=zeros(policy.value_head is not None),
-                       teacher=zeros(teacher is not None) if scored is None else scored)
+                       teacher=zeros(teacher is not None) if scored is None else scored, entropy=zeros(entropy))
     frozen = [(consts.ref, reference), (consts.teacher, teacher)]
+    own = [(consts.old, "logprobs"), (consts.values, "values"), (consts.entropy, "entropy")]
     mine = []
-    for mb in minis:
-        for rows in mb.micro:
-            sub = rows_of(batch, rows or any_row(mb))
-            args = (sub.input_ids, sub.attention_mask, sub.loss_mask, temperature)
-            out = (policy.outputs(*args, routing=sub.routing, images=sub.images)
-                   if consts.old is not None or consts.values is not None else None)
-            scored = [(into, model.outputs(*args, images=sub.images).logprobs) for into, model in frozen
-                      if model is not None]
-            if rows:
-                idx, cut = torch.tensor(rows, device=device), sub.input_ids.shape[1] - 1
-                if consts.old is not None:
-                    consts.old[idx, :cut] = out.logprobs
-                for into, logprobs in scored:
-                    into[idx, :cut] = logprobs
-                if consts.values is not None:
-                    consts.values[idx, :cut] = out.values
-                    mine += rows
-    if consts.values is not None:  # advantages need every rank's values
-        for rows, values in parallel.all_gather((mine, consts.values[mine].cpu()), trainer):
-            consts.values[rows] = values.to(device)
+    for rows, sub in micro_batches(batch, minis):
+        args = (sub.input_ids, sub.attention_mask, sub.loss_mask, temperature)
+        out = (policy.outputs(*args, routing=sub.routing, images=sub.images)
+               if any(into is not None for into, _ in own) else None)
+        scored = [(into, model.outputs(*args, images=sub.images).logprobs) for into, model in frozen
+                  if model is not None]
+        if rows:
+            idx, cut = torch.tensor(rows, device=device), sub.input_ids.shape[1] - 1
+            for into, name in own:
+                if into is not None:
+                    into[idx, :cut] = getattr(out, name)
+            for into, logprobs in scored:
+                into[idx, :cut] = logprobs
+            mine += rows
+    for shared in (consts.values, consts.entropy):  # advantages and selections see every rank's rows
+        if shared is not None:
+            for rows, part in parallel.all_gather((mine, shared[mine].cpu()), trainer):
+                shared[rows] = part.to(device)
     return consts
 
 

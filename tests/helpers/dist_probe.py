@@ -46,8 +46,8 @@ class Probe(L.Callback):
                                   "checksum": float(sum(v.double().sum() for v in full.values()))})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        b = outputs["batch"]
-        mine = sorted({b.trajectories[int(b.traj_ids[r])].sample_id for r in outputs["rows"]})
+        b = outputs["record"].batch
+        mine = sorted({b.trajectories[int(b.traj_ids[r])].sample_id for r in outputs["record"].rows})
         version_range = b.versions[b.loss_mask]
         self._write(trainer, {"event": "step", "version": pl_module.policy_version - 1, "samples": mine,
                               "all_samples": sorted({t.sample_id for t in b.trajectories}),

@@ -16,7 +16,7 @@ class Batches(L.Callback):
         self.seen = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.seen.append((pl_module.policy_version - 1, outputs["batch"].to("cpu")))
+        self.seen.append((pl_module.policy_version - 1, outputs["record"].batch.to("cpu")))
 
 
 def record_generations(engine, monkeypatch):
