@@ -1,0 +1,70 @@
+"""What the step record and the token-selection pass cost the step: A/B in one run.
+
+The default task and policy, the torch engine in-process (the record is trainer-side: the engine only adds noise),
+``max_lag=1``, 8 prompts x 8 runs a step; rounds alternate between the step as it ships ("on": ``StepRecord`` filled
+in the loss pass, the selection applied before the plan) and the same step with both turned off ("off": ``fill`` a
+no-op, ``selected`` the identity; what the step did before issue 59). Prints the median of the trainer's own compute
+per step (``perf/train_compute_s``) and of the wall time per step over the steps after the first ``--warmup`` of
+each round, for each variant, and on / off. Usage: ``python benchmarks/step_record.py [--steps 20] [--rounds 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+
+
+def run(variant: str, steps: int, warmup: int) -> tuple[list[float], list[float]]:
+    import lightning as L
+    import pandas as pd
+    from lightning.pytorch.loggers import CSVLogger
+
+    from molt_lightning import AsyncRLModule, Optim, Rollout
+    from molt_lightning import module as loop
+    from molt_lightning.engines import TorchEngine
+    from molt_lightning.tasks import arithmetic
+    from molt_lightning.trainer import plan as plans
+    from molt_lightning.trainer.record import StepRecord
+
+    fill, select = StepRecord.fill, plans.selected
+    if variant == "off":
+        StepRecord.fill, loop.selected = (lambda *a, **k: None), (lambda batch, *a: (batch, {}))
+    try:
+        module = AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, engine=TorchEngine(seed=0),
+                               rollout=Rollout(group_size=8, prompts_per_step=8, max_lag=1), optim=Optim(lr=3e-4),
+                               torch_threads=1)
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=CSVLogger(tmp, name=variant),
+                                log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False)
+            trainer.fit(module)
+            df = pd.read_csv(f"{trainer.logger.log_dir}/metrics.csv")
+    finally:
+        StepRecord.fill, loop.selected = fill, select
+    df = df[df["step"] >= warmup]
+    return df["perf/train_compute_s"].dropna().tolist(), df["perf/step_time_s"].dropna().tolist()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    got = {"on": ([], []), "off": ([], [])}
+    for _ in range(args.rounds):
+        for variant in ("off", "on"):
+            compute, wall = run(variant, args.steps, args.warmup)
+            got[variant][0].extend(compute)
+            got[variant][1].extend(wall)
+    med = {v: (statistics.median(c), statistics.median(w)) for v, (c, w) in got.items()}
+    print("| variant | train compute s/step (median) | wall s/step (median) | steps |")
+    print("|---|---|---|---|")
+    for v in ("off", "on"):
+        print(f"| {v} | {med[v][0]:.4f} | {med[v][1]:.4f} | {len(got[v][0])} |")
+    print(f"| on / off | {med['on'][0] / med['off'][0]:.3f} | {med['on'][1] / med['off'][1]:.3f} | |")
+
+
+if __name__ == "__main__":
+    main()
