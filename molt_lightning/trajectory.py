@@ -5,6 +5,9 @@ an agent that rewrites its history starts a new one), each a list of *spans*: ``
 context (never trained on), ``policy`` spans are tokens the engine sampled, each with the engine's logprob and the
 integer policy version that sampled it. Policy spans are only made from engine output (``Span.policy``), so a trained
 token always has an engine record; ``collate`` checks it again and raises on a violation (a bug, not a warning).
+A trajectory cut short (status ``TRUNCATED``, trained on like an ok one) records its first cause as a ``Truncation``
+(a turn at max_tokens, at the context's end, an episode at max_turns, the environment's stop); ``Outcomes.truncation``
+codes it per trajectory (``TRUNCATION_CODES``) for the trainer.
 
 Mixture-of-experts policies add one per-token fact, like logprobs and versions: the experts each position was routed
 to by the engine (``Span.routing``, (n, layers, k) int16, ``moe.NO_RECORD`` rows where the engine never forwarded
@@ -42,8 +45,21 @@ class Kind(str, Enum):
 
 class Status(str, Enum):
     OK = "ok"
-    TRUNCATED = "truncated"  # a generation hit max_tokens; trained on like an ok one, and counted
+    TRUNCATED = "truncated"  # cut short (``Trajectory.truncation`` says why); trained on like an ok one, and counted
     FAILED = "failed"  # the agent raised, timed out or returned a bad reward; never trained on
+
+
+class Truncation(str, Enum):
+    """Why a trajectory was cut short (its first cause: ``Trajectory.truncate``)."""
+
+    MAX_TOKENS = "max_tokens"  # a turn hit the max_tokens it asked for (the client's ``generate``)
+    MAX_TURNS = "max_turns"  # an episode was not done after max_turns replies (``agents.env.play``, verifiers')
+    ENVIRONMENT = "environment"  # the environment stopped the episode on another limit of its own (verifiers' token
+    # budgets, a failed compaction)
+    CONTEXT = "context"  # a turn sent without max_tokens (the client gives it the rest of max_context) used it all
+
+
+TRUNCATION_CODES = {cause: i + 1 for i, cause in enumerate(Truncation)}  # ``Outcomes.truncation``: 0 none
 
 
 class ConsistencyError(RuntimeError):
@@ -109,6 +125,7 @@ class Trajectory:
     reward: float = math.nan
     status: Status = Status.OK
     reason: str = ""
+    truncation: Truncation | None = None  # why it was cut short (the first cause); None unless status is TRUNCATED
     info: dict[str, Any] = field(default_factory=dict)
     turns: int = 0  # engine calls made (the client counts them; an empty generation is a turn too)
     turn_rewards: list[float] | None = None  # the agent's reward per turn (``AgentResult.turn_rewards``)
@@ -133,13 +150,14 @@ class Trajectory:
         """Turns: engine calls, or policy spans for a trajectory made by hand (whose spans carry no turn)."""
         return max(self.turns, sum(1 for _ in self.policy_spans()))
 
-    def truncate(self, reason: str) -> None:
-        """Mark it cut short (a turn at max_tokens, an episode at max_turns), unless it already failed or was cut."""
+    def truncate(self, cause: Truncation, reason: str) -> None:
+        """Mark it cut short by ``cause`` (``reason`` says it in words), unless it already failed or was cut: the
+        first cause stays."""
         if self.status == Status.OK:
-            self.status, self.reason = Status.TRUNCATED, reason
+            self.status, self.reason, self.truncation = Status.TRUNCATED, reason, Truncation(cause)
 
     def fail(self, reason: str) -> Trajectory:
-        self.status, self.reason = Status.FAILED, reason
+        self.status, self.reason, self.truncation = Status.FAILED, reason, None
         return self
 
 
@@ -159,15 +177,18 @@ class Outcomes:
     ``turn_rewards`` (M, K) holds each turn's reward (K: the most turns of any trajectory; NaN past a trajectory's
     last turn): the agent's ``turn_rewards`` where it gave them, else its reward on its last turn and 0 before (an
     outcome reward arrives at the end). ``turn_keys`` (M, K) numbers the agent's per-turn state keys (equal keys, equal
-    numbers, within the batch; -1 where none was given)."""
+    numbers, within the batch; -1 where none was given). ``truncation`` (M,) codes why each was cut short:
+    ``TRUNCATION_CODES[cause]`` (1 + the cause's index in ``Truncation``), 0 where it was not (or was marked
+    ``TRUNCATED`` by hand, without a cause: ``truncated`` is then True)."""
 
     rewards: torch.Tensor  # (M,) float32
     lengths: torch.Tensor  # (M,) long: policy tokens over all of its turns
     groups: torch.Tensor  # (M,) long: its group (prompt)
-    truncated: torch.Tensor | None = None  # (M,) bool: a turn hit max_tokens, or an episode hit max_turns
+    truncated: torch.Tensor | None = None  # (M,) bool: status TRUNCATED (any cause: ``truncation``)
     turns: torch.Tensor | None = None  # (M,) long: turns (engine calls)
     turn_rewards: torch.Tensor | None = None  # (M, K) float32, NaN past the last turn
     turn_keys: torch.Tensor | None = None  # (M, K) long, -1 where no key
+    truncation: torch.Tensor | None = None  # (M,) long: 0 none, else 1 + index of the cause in Truncation
 
     def to(self, device) -> Outcomes:
         return Outcomes(**{k: None if v is None else v.to(device) for k, v in vars(self).items()})
@@ -193,7 +214,9 @@ class Outcomes:
                    lengths=torch.tensor([t.num_policy_tokens for t in trajectories], dtype=torch.long),
                    groups=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
                    truncated=torch.tensor([t.status == Status.TRUNCATED for t in trajectories]),
-                   turns=torch.tensor(turns, dtype=torch.long), turn_rewards=turn_rewards, turn_keys=turn_keys)
+                   turns=torch.tensor(turns, dtype=torch.long), turn_rewards=turn_rewards, turn_keys=turn_keys,
+                   truncation=torch.tensor([TRUNCATION_CODES.get(t.truncation, 0) for t in trajectories],
+                                           dtype=torch.long))
 
 
 @dataclass

@@ -29,7 +29,7 @@ from molt_lightning.agents.chat import ChatTemplate  # noqa: E402
 from molt_lightning.engines import TorchEngine  # noqa: E402
 from molt_lightning.tasks import openenv_envs, verifiers_envs  # noqa: E402
 from molt_lightning.tasks.arithmetic import make_problem  # noqa: E402
-from molt_lightning.trajectory import Status  # noqa: E402
+from molt_lightning.trajectory import Status, Truncation  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 from invariant import check_trained_tokens, fit_recorded  # noqa: E402
@@ -102,7 +102,7 @@ def test_verifiers_rewards_on_scripted_replies(template):
     # verifiers' max_turns ends the episode: scored, and the trajectory is truncated
     result, client = call(template, tool, sample, [tool_call("print(1)")] * 4)
     assert result.reward == 0.0 and result.info["turns"] == 3 and result.info["stop_condition"] == "max_turns"
-    assert client.trajectory.status == Status.TRUNCATED
+    assert client.trajectory.status == Status.TRUNCATED and client.trajectory.truncation == Truncation.MAX_TURNS
 
 
 def test_openenv_rewards_on_scripted_replies(template):
@@ -119,6 +119,7 @@ def test_openenv_rewards_on_scripted_replies(template):
     assert result.reward == 0.0 and result.info["env_steps"] == 1
     result, client = call(template, agent, sample, [tool_call("print(1)")] * 3)
     assert result.reward == 0.0 and result.info["env_truncated"] and client.trajectory.status == Status.TRUNCATED
+    assert client.trajectory.truncation == Truncation.MAX_TURNS
 
 
 def test_openenv_through_its_server_on_loopback(template):

@@ -27,7 +27,7 @@ from molt_lightning.agents.env import EnvAgent, Environment, Step
 from molt_lightning.rollout import request_seed
 from molt_lightning.tasks import arithmetic
 from molt_lightning.tasks.arithmetic_env import MAX_TOKENS, MAX_TURNS, CalculatorEnv
-from molt_lightning.trajectory import Kind, Status, Trajectory
+from molt_lightning.trajectory import Kind, Status, Trajectory, Truncation
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 from invariant import trained_runs  # noqa: E402
@@ -195,6 +195,7 @@ def test_calculator_env_at_max_turns_is_the_agent_plus_a_truncation_mark(tokeniz
     assert result.info == {"turns": MAX_TURNS, "env_truncated": True}
     assert (agent_traj.status, env_traj.status) == (Status.OK, Status.TRUNCATED)
     assert env_traj.reason == f"the environment was not done after max_turns={MAX_TURNS}"
+    assert (agent_traj.truncation, env_traj.truncation) == (None, Truncation.MAX_TURNS)
 
 
 def test_an_episode_gives_its_step_rewards_and_observations_per_turn(tokenizer):

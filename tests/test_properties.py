@@ -28,7 +28,7 @@ from molt_lightning.agents.client import AgentClient
 from molt_lightning.config import Rollout
 from molt_lightning.engines.base import Generation, RolloutEngine
 from molt_lightning.rollout import RolloutSource
-from molt_lightning.trajectory import ConsistencyError, Kind, Span, Status, Trajectory, collate
+from molt_lightning.trajectory import ConsistencyError, Kind, Span, Status, Trajectory, Truncation, collate
 
 PAD, VOCAB, MAX_VERSION = 0, 40, 5
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -290,8 +290,8 @@ def test_the_client_records_exactly_what_the_engine_returned(ops, seed, bump):
     trained_segments = {i for i, seg in enumerate(traj.segments) if any(s.kind == Kind.POLICY for s in seg)}
     given_context = [t for i, chunk in context if i in trained_segments for t in chunk]
     assert b.input_ids[b.attention_mask & ~b.loss_mask].tolist() == given_context  # the rest: the agent's context
-    if any(g.finish_reason == "length" for g in engine.outputs):
-        assert traj.status == Status.TRUNCATED
+    if any(g.finish_reason == "length" for g in engine.outputs):  # every turn asked for its max_tokens
+        assert traj.status == Status.TRUNCATED and traj.truncation == Truncation.MAX_TOKENS
 
 
 # ----- the rollout source: failed samples never in a batch, always counted -----

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..engines.base import Generation, RolloutEngine, Sampling
 from ..policies.vision import ImageInputs
-from ..trajectory import ContextOverflow, Kind, Span, Trajectory, place_routing, segment_images
+from ..trajectory import ContextOverflow, Kind, Span, Trajectory, Truncation, place_routing, segment_images
 from .chat import ChatTemplate, Message
 
 MAX_NOTES = 100  # texts kept per key of a trajectory's info by ``note`` (the counter counts them all)
@@ -86,12 +86,13 @@ class AgentClient:
         """A turn that raises inside leaves this client and its trajectory as they were: no token, span, segment
         break, turn or request count of it stays (the endpoint's refused and failed turns)."""
         t = self.trajectory
-        kept = ([list(seg) for seg in t.segments], t.turns, t.status, t.reason, self._messages, self._tools,
-                self._last_gen, self._requests)
+        kept = ([list(seg) for seg in t.segments], t.turns, t.status, t.reason, t.truncation, self._messages,
+                self._tools, self._last_gen, self._requests)
         try:
             yield
         except BaseException:
-            segments, t.turns, t.status, t.reason, self._messages, self._tools, self._last_gen, self._requests = kept
+            (segments, t.turns, t.status, t.reason, t.truncation, self._messages, self._tools, self._last_gen,
+             self._requests) = kept
             t.segments[:] = segments
             raise
 
@@ -161,6 +162,8 @@ class AgentClient:
         n = len(self.tokens) + len(context_ids or [])  # checked before the context is appended: a refused call
         if not n:  # leaves the trajectory as it was
             raise ValueError("generate needs context: pass the prompt token ids")
+        # None: the rest of the context (the limit is then the context's end); a max_tokens given is never cut down
+        cause = Truncation.CONTEXT if max_tokens is None else Truncation.MAX_TOKENS
         max_tokens = self.max_context - n if max_tokens is None else max_tokens
         if max_tokens < 1 or n + max_tokens > self.max_context:
             raise ContextOverflow(f"segment of {n} tokens + max_tokens {max_tokens} exceeds max_context "
@@ -182,7 +185,8 @@ class AgentClient:
                 "read it as an image, so this trajectory is not trained on")
         place_routing(self.trajectory.segments[-1], out.routing)  # MoE: each position keeps its first record
         if out.finish_reason == "length":
-            self.trajectory.truncate(f"a turn hit max_tokens={max_tokens}")
+            self.trajectory.truncate(cause, f"a turn hit max_tokens={max_tokens}" if cause == Truncation.MAX_TOKENS
+                                     else f"a turn hit the context's end (max_context={self.max_context})")
         return out
 
     async def chat(self, messages: list[Message], *, max_tokens: int) -> str:

@@ -11,7 +11,8 @@ raises).
 
 - The reward of an episode is the **sum** of its steps' rewards (a reward given only at the end is the usual case).
 - An episode cut at ``max_turns`` is *truncated*: ``info["env_truncated"]`` is True and the trajectory's status is
-  ``TRUNCATED`` (trained on like an ok one, and counted, as for a turn that hits ``max_tokens``).
+  ``TRUNCATED`` with cause ``Truncation.MAX_TURNS`` (trained on like an ok one, and counted, as for a turn that hits
+  ``max_tokens``; a turn cut earlier in the episode keeps its own cause).
 - The result's ``info`` holds the steps' ``info`` dicts merged (later steps win), ``turns`` (replies made) and
   ``env_truncated``; its ``turn_rewards`` are the steps' rewards and its ``turn_keys`` the observation each reply
   answered (its messages as JSON), for the turn-level estimators (``turn_grpo``, ``gigpo``).
@@ -26,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..trajectory import Truncation
 from .client import AgentResult
 
 Observation = str | list[dict[str, Any]] | None
@@ -128,7 +130,7 @@ async def play(client, messages: list[dict[str, Any]], answer: Callable[[dict], 
             observation = _messages(step.observation, role, f"{name}.step (or end the episode with done=True)")
             messages += observation
     if not done:
-        client.trajectory.truncate(f"the environment was not done after max_turns={max_turns}")
+        client.trajectory.truncate(Truncation.MAX_TURNS, f"the environment was not done after max_turns={max_turns}")
     return rewards, keys, info, done
 
 

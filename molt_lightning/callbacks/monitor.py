@@ -3,10 +3,12 @@ once, where the batch is built: ``trajectory.collate``).
 
 Per step, from the rollout source's counts (``rollout.RolloutCounts``; rank 0, which owns the source): samples
 finished, ok, truncated, failed, trained, dropped (stale, filtered, empty groups), each new this step and as a
-total (``samples/<name>``, ``samples/<name>_total``); the share of the batch's completions that repeat another of their
-group token for token (``samples/duplicates``, ``trajectory.repeats``); the reward over all usable samples
-(``reward/all_samples``: with a group filter, ``reward`` covers only the groups kept); the events agents counted
-(``client.count``: ``agent/tool_error/timeout``, ``agent/endpoint_error/model_not_found``, ...). From the engine
+total (``samples/<name>``, ``samples/<name>_total``), and the truncated ones per cause (``trajectory.Truncation``:
+``samples/truncated/max_tokens``, ``.../max_turns``, ``.../environment``, ``.../context``, each with ``_total``); the
+share of the batch's completions that repeat another of their group token for token (``samples/duplicates``,
+``trajectory.repeats``); the reward over all usable samples (``reward/all_samples``: with a group filter, ``reward``
+covers only the groups kept); the events agents counted (``client.count``: ``agent/tool_error/timeout``,
+``agent/endpoint_error/model_not_found``, ...). From the engine
 (its own ``take_stats``): generated tokens per second and the share of wall time it had no request in flight. From
 each model beside the policy (``engines.Auxiliary``: a teacher, a judge): its requests, tokens, mean latency,
 failures and timeouts this step (``<name>/requests``, ...). The
@@ -57,6 +59,7 @@ class RolloutMonitor(L.Callback):
         before, self._counts = self._counts, now
         metrics = {}
         for prefix, totals, old in [("samples/", {k: getattr(now, k) for k in COUNTS}, vars(before)),
+                                    ("samples/truncated/", now.truncated_by, before.truncated_by),
                                     ("agent/", now.agent, before.agent)]:
             for name, total in totals.items():
                 metrics[f"{prefix}{name}"] = float(total - old.get(name, 0))

@@ -56,7 +56,7 @@ from ..config import Rollout
 from .teacher import scored
 from ..engines.auxiliary import Auxiliary
 from ..engines.base import derive_seed
-from ..trajectory import Status, Trajectory
+from ..trajectory import Status, Trajectory, Truncation
 
 log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 60  # for the agent runs to end once cancelled (an agent that swallows its cancellation never does)
@@ -78,7 +78,7 @@ class RolloutCounts:
     """What the rollout side did so far (cumulative; in checkpoints)."""
 
     finished: int = 0  # agent runs that ended (ok, truncated or failed)
-    truncated: int = 0  # a turn hit max_tokens (or an environment max_turns); trained on like an ok one
+    truncated: int = 0  # cut short (any cause: ``truncated_by``); trained on like an ok one
     failed: int = 0  # the agent raised, timed out or returned a bad reward; never trained on
     trained: int = 0  # samples handed to the trainer in batches
     dropped_stale_groups: int = 0  # too old when the trainer came to them (their prompts ran again)
@@ -88,6 +88,7 @@ class RolloutCounts:
     dropped_filtered_samples: int = 0
     filtered_reward_sum: float = 0.0  # the reward of those samples (the step's reward over every usable sample)
     agent: dict[str, int] = field(default_factory=dict)  # what agents counted (client.count): tool errors, ...
+    truncated_by: dict[str, int] = field(default_factory=lambda: {c.value: 0 for c in Truncation})  # per cause
     buffered_groups: int = 0  # complete, not yet trained on (a gauge)
 
 
@@ -236,6 +237,7 @@ class RolloutSource:
     def load_state_dict(self, state: dict) -> None:
         self.admission.load_state_dict(state)
         self.counts = RolloutCounts(**state["counts"])
+        self.counts.truncated_by = {**RolloutCounts().truncated_by, **self.counts.truncated_by}  # a newer cause: 0
 
     # ----- producer (engine loop) -----
     async def _produce(self) -> None:
@@ -280,6 +282,8 @@ class RolloutSource:
             for t in group:
                 self.counts.finished += 1
                 self.counts.truncated += t.status == Status.TRUNCATED
+                if t.status == Status.TRUNCATED and t.truncation is not None:
+                    self.counts.truncated_by[t.truncation.value] += 1
                 self.counts.failed += t.status == Status.FAILED
                 self._recent.append(_kind(t.reason) if t.status == Status.FAILED else None)
             self._breaker()

@@ -27,6 +27,18 @@ class ScriptedEngine(RolloutEngine):
         return Generation(ids, [-0.5] * len(ids), [self.reply_version] * len(ids), "stop")
 
 
+class CutEngine(ScriptedEngine):
+    """A ``ScriptedEngine`` that keeps to ``max_tokens``: a longer reply is cut there and finished ``"length"``, as
+    every engine does."""
+
+    async def _generate(self, prompt_ids, sampling):
+        out = await super()._generate(prompt_ids, sampling)
+        if len(out.token_ids) <= sampling.max_tokens:
+            return out
+        n = sampling.max_tokens
+        return Generation(out.token_ids[:n], out.logprobs[:n], out.versions[:n], "length")
+
+
 def run_at_endpoint(template, replies, run, *, counter=None, max_context: int = 256, version: int = 0,
                     catch: bool = False):
     """Await ``run(client)`` with an ``AgentClient`` registered at a live loopback ``Endpoint`` in front of a

@@ -15,7 +15,9 @@ A verifiers environment is a taskset: ``vf.Taskset.load()`` yields tasks, each a
   the episode's (the sum of its trainable traces' weighted rewards); each reward function's score and each metric
   land in the result's ``info`` (``reward/<name>``, ``metric/<name>``). An episode verifiers marks failed (a hook,
   tool server or scorer raised, the harness died, a reward went unscored) raises: the run counts a failed sample and
-  goes on.
+  goes on. One it stopped on a limit is truncated (``trajectory.Truncation``): ``MAX_TURNS`` at its ``max_turns``,
+  ``ENVIRONMENT`` at its other limits (token budgets, a failed compaction); a turn cut at its max_tokens was marked
+  by the client first, and the first cause stays.
 
 ``environment`` is a taskset id as verifiers resolves one (an installed package exporting one ``Taskset`` through
 ``__all__``, e.g. ``reverse-text``), ``"pkg.module:TasksetClass"`` (for a module holding several), or a loaded
@@ -59,6 +61,7 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 from ...config import imported
+from ...trajectory import Truncation
 from ..client import AgentResult
 
 log = logging.getLogger(__name__)
@@ -229,8 +232,10 @@ class VerifiersAgent:
             info.update({f"reward/{prefix}{k}": r.score for k, r in t.rewards.items() if r is not None})
             info.update({f"metric/{prefix}{k}": v for k, v in t.metrics.items() if v is not None})
         truncated = [t for t in traces if t.is_truncated]
-        if client is not None and truncated:
-            client.trajectory.truncate(f"verifiers stopped the episode: {truncated[0].stop_condition}")
+        if client is not None and truncated:  # a turn cut at its max_tokens was marked by the client already
+            stop = str(truncated[0].stop_condition)
+            client.trajectory.truncate(Truncation.MAX_TURNS if stop == "max_turns" else Truncation.ENVIRONMENT,
+                                       f"verifiers stopped the episode: {stop}")
         return AgentResult(float(sum(t.reward for t in traces)), info)
 
     async def _serve(self, env) -> None:
