@@ -89,6 +89,21 @@ def test_the_plan_counts_the_tokens_a_selection_kept():
     assert metrics["select/samples_dropped"] == int(batch.loss_mask.any(-1).sum() - after.loss_mask.any(-1).sum())
 
 
+def test_overlong_filtering_reads_each_rows_truncation_cause():
+    from molt_lightning.trajectory import Truncation, collate
+
+    trajs = synthetic_batch(groups=2, group_size=3).trajectories
+    trajs[0].truncate(Truncation.MAX_TOKENS, "a turn hit max_tokens=7")
+    trajs[4].truncate(Truncation.MAX_TURNS, "the environment was not done after max_turns=3")
+    batch = collate(trajs, pad_id=0, max_version=0)
+    cfg = Algorithm(token_selection="overlong_filter")
+    after, metrics = selected(batch, build(cfg).select, None, cfg)
+    cut = [batch.trajectories[i] is trajs[0] for i in batch.traj_ids.tolist()]  # the rows of the one cut at max_tokens
+    for row, dropped in enumerate(cut):
+        assert torch.equal(after.loss_mask[row], batch.loss_mask[row] & ~torch.tensor(dropped)), row
+    assert metrics["select/samples_dropped"] == sum(cut) >= 1
+
+
 # ----- the step record -----
 
 class Records(L.Callback):

@@ -92,7 +92,7 @@ def selected(batch: Batch, select, entropy: torch.Tensor | None, cfg) -> tuple[B
     every rank, so the plan's norms then count only the tokens kept), and what it kept: ``select/kept_frac`` (of the
     policy tokens), ``select/samples_dropped`` (rows of samples that kept no token)."""
     mask = batch.loss_mask[:, 1:]  # (N, T-1)
-    causes = [getattr(getattr(batch.trajectories[i], "truncation", None), "value", "") for i in batch.traj_ids.tolist()]
+    causes = [getattr(batch.trajectories[i].truncation, "value", "") for i in batch.traj_ids.tolist()]  # (N,)
     kept = select(SelectionInputs(mask, entropy, causes), cfg) & mask  # a selection only removes tokens
     dropped = len({i for i, (a, k) in enumerate(zip(mask.any(-1).tolist(), kept.any(-1).tolist())) if a and not k})
     metrics = {"select/kept_frac": float(kept.sum()) / max(float(mask.sum()), 1.0), "select/samples_dropped": dropped}
