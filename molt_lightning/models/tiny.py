@@ -132,6 +132,27 @@ def base_policy(seed: int = 0, like: str = "arithmetic") -> str:
     return cached_folder(f"{warm.name}-random-init-{seed}", make)
 
 
+def qwen3_policy(seed: int = 0) -> str:
+    """A tiny random-init Qwen3 with the default policy's tokenizer, width and depth (head_dim 32: vLLM's CPU
+    attention refuses 16), cached: a new dense architecture as a policy is one function like this one and one recipe
+    line (``recipes/research/qwen3.yaml``; docs/research.md)."""
+    warm = Path(arithmetic_policy())
+
+    def make(out: Path) -> None:
+        import torch
+        from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+        torch.manual_seed(seed)
+        tokenizer = AutoTokenizer.from_pretrained(warm)
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), head_dim=32, tie_word_embeddings=True,
+                                             pad_token_id=tokenizer.pad_token_id, **SPEC["model"])).float()
+        model.generation_config = GenerationConfig.from_pretrained(warm)
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+
+    return cached_folder(f"tiny-qwen3-random-init-{seed}", make)
+
+
 def terminal_base_policy() -> str:
     """``base_policy`` with the python-tool policy's tokenizer and its 512-token context (a shell episode with its
     outputs outgrows the arithmetic policy's 256): what ``recipes/sft_terminal.yaml`` warm-starts."""
