@@ -17,7 +17,8 @@ that is no command is answered with the ones there are.
 A bad recipe is answered before anything starts, with the problem and its fix and no traceback: jsonargparse's
 parse errors (YAML syntax, unknown keys, wrong types, dotted paths that do not import or are the wrong kind of
 class) get a ``fix:`` line (``MoltParser``); ``check_recipe`` then checks what the parser cannot (the policy folder
-and its tokenizer against its embeddings, an async agent, a plain ``tasks(seed)``, the dtype); a ``ValueError`` or
+and its tokenizer against its embeddings, an async agent, a plain ``tasks(seed)``, the dtype, and what the engine
+will refuse in the policy: its ``check_policy``); a ``ValueError`` or
 Lightning ``MisconfigurationException`` from a constructor (sizes, ranges, names) is printed the same way.
 ``JSONARGPARSE_DEBUG=1`` shows the traceback of any of them.
 """
@@ -164,6 +165,9 @@ def check_recipe(model) -> None:
     if tasks is model.tasks:
         _check_call(tasks, "model.tasks", "(seed)", 0)
     folder = policy_folder(model.policy)
+    engine = model.get("engine")  # what the engine will refuse in the policy (VLLMEngine: head sizes on the CPU)
+    if getattr(engine, "class_path", None):
+        getattr(imported(engine.class_path, "class_path"), "check_policy", lambda folder: None)(folder)
     if model.get("teacher") is not None:  # distillation: the teacher's folder and tokenizer, before anything starts
         from transformers import AutoTokenizer
 
