@@ -47,3 +47,17 @@ def test_vllm_on_the_cpu_refuses_a_head_dim_it_does_not_take_before_launch(tmp_p
     (folder / "config.json").write_text(json.dumps({**config, "hidden_size": 48, "num_attention_heads": 2}))
     with pytest.raises(ValueError, match="has head_dim 24"):
         check_policy(folder)
+
+
+def test_switching_engines_names_the_settings_the_new_engine_does_not_take(capsys):
+    """jsonargparse drops the recipe's init_args that a class_path given on the command line does not take (at debug
+    level: silently); molt names them on the terminal, once, before the run. (A bad dtype stops the run right after.)"""
+    from test_bad_inputs import answer
+
+    recipe = str(ROOT / "recipes/default.yaml")
+    err = answer(capsys, "--config", recipe, "--model.engine", "TorchEngine", "--model.dtype", "int8")
+    [line] = [x for x in err.splitlines() if "does not take" in x]
+    assert line == (f"molt: warning: TorchEngine does not take cpu_threads (set for VLLMEngine in {recipe}): the run "
+                    "goes on without it (fix: remove it from the recipe, or use a recipe written for TorchEngine)"), line
+    err = answer(capsys, "--config", recipe, "--model.dtype", "int8")  # no switch: nothing dropped, nothing said
+    assert "does not take" not in err
