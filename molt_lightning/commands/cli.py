@@ -17,7 +17,8 @@ that is no command is answered with the ones there are.
 A bad recipe is answered before anything starts, with the problem and its fix and no traceback: jsonargparse's
 parse errors (YAML syntax, unknown keys, wrong types, dotted paths that do not import or are the wrong kind of
 class) get a ``fix:`` line (``MoltParser``); ``check_recipe`` then checks what the parser cannot (the policy folder
-and its tokenizer against its embeddings, an async agent, a plain ``tasks(seed)``, the dtype); a ``ValueError`` or
+and its tokenizer against its embeddings, an async agent, a plain ``tasks(seed)``, the dtype, and what the engine
+will refuse in the policy: its ``check_policy``); a ``ValueError`` or
 Lightning ``MisconfigurationException`` from a constructor (sizes, ranges, names) is printed the same way.
 ``JSONARGPARSE_DEBUG=1`` shows the traceback of any of them.
 """
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import logging
+import os
 import re
 import sys
 from contextlib import contextmanager
@@ -66,11 +69,35 @@ COMMANDS = {  # molt's commands, one line each (`molt --help`); LightningCLI's v
 _UNKNOWN = re.compile(r"does not accept option '([^']+)'|unrecognized arguments: (\S+)|Option '([^']+)' is not acc")
 
 
+class _Dropped(logging.Handler):
+    """Keeps jsonargparse's (debug-level) line for init_args it discards when a class_path changes (a recipe's
+    VLLMEngine made TorchEngine by ``--model.engine TorchEngine``: its ``cpu_threads``) in ``MoltParser.dropped``."""
+
+    LINE = re.compile(r"class_path change from '([^']+)' to '([^']+)', discarding init_args: (.*)\.$", re.S)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if m := self.LINE.search(record.getMessage()):
+            MoltParser.dropped[m[1], m[2]] = re.findall(r"'(\w+)': ", m[3])
+
+
+DROPS = logging.getLogger("molt_lightning.commands.cli.dropped")  # the parsers' logger (jsonargparse's is silent)
+DROPS.setLevel(logging.DEBUG)
+DROPS.propagate = False
+DROPS.addHandler(_Dropped())
+
+
 class MoltParser(LightningArgumentParser):
-    """LightningCLI's parser with a one-line usage (not the page of every option) and a ``fix:`` after each error."""
+    """LightningCLI's parser with a one-line usage (not the page of every option) and a ``fix:`` after each error;
+    init_args dropped by a class_path change are noted (``dropped``: said by ``dropped_settings``)."""
 
     _reading = None  # the recipe file being read, if any
     read: list[str] = []  # every recipe file read since main() started: an overlay among them is named in errors
+    dropped: dict[tuple[str, str], list[str]] = {}  # (class_path before, after) -> the init_args it dropped
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not os.environ.get("JSONARGPARSE_DEBUG"):  # (with it, jsonargparse's own debug log says it all)
+            self.logger = DROPS  # class parsers take their parent's: the class_path-change line reaches _Dropped
 
     def print_usage(self, file=None) -> None:
         if self._subcommands_action is not None:
@@ -133,6 +160,17 @@ def _init_arg_fix(class_path: str, arg: str) -> str:
     return f"{guess}{name} takes {', '.join(params)}"
 
 
+def dropped_settings() -> list[str]:
+    """A line per class_path changed on top of a recipe that dropped init_args the new class does not take (as
+    jsonargparse does, silently): which, and where they were set."""
+    where = f" in {', '.join(dict.fromkeys(MoltParser.read))}" if MoltParser.read else ""
+    short = {cls: cls.rpartition(".")[2] for pair in MoltParser.dropped for cls in pair}
+    return [f"molt: warning: {short[new]} does not take {', '.join(keys)} (set for {short[old]}{where}): the run goes "
+            f"on without {'it' if len(keys) == 1 else 'them'} (fix: remove {'it' if len(keys) == 1 else 'them'} from the "
+            f"recipe, or use a recipe written for {short[new]})"
+            for (old, new), keys in MoltParser.dropped.items() if keys]
+
+
 def _keys(parser) -> list[str]:
     parsers = [parser, *getattr(parser._subcommands_action, "_name_parser_map", {}).values()]
     return sorted({a.dest for p in parsers for a in p._actions if a.dest and not a.dest.endswith("help")})
@@ -164,6 +202,9 @@ def check_recipe(model) -> None:
     if tasks is model.tasks:
         _check_call(tasks, "model.tasks", "(seed)", 0)
     folder = policy_folder(model.policy)
+    engine = model.get("engine")  # what the engine will refuse in the policy (VLLMEngine: head sizes on the CPU)
+    if getattr(engine, "class_path", None):
+        getattr(imported(engine.class_path, "class_path"), "check_policy", lambda folder: None)(folder)
     if model.get("teacher") is not None:  # distillation: the teacher's folder and tokenizer, before anything starts
         from transformers import AutoTokenizer
 
@@ -196,6 +237,7 @@ def usage() -> str:
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
     MoltParser.read.clear()
+    MoltParser.dropped.clear()
     if argv[:1] in ([], ["-h"], ["--help"]):  # `molt` alone: the commands too, but it is a usage error
         print(usage())
         sys.exit(0 if argv else 2)
@@ -275,6 +317,8 @@ def molt_cli(quiet: list | None = None):
             # an extra the recipe needs and .venv lacks: one line with its install command (molt eval's too)
             require_for(self.config[self.subcommand] if self.subcommand else self.config)
             if self.subcommand is not None:
+                for line in dropped_settings():  # on the terminal, before the run (and its quiet log) starts
+                    print(line, file=sys.stderr)
                 with self._answered():
                     config = self.config[self.subcommand]
                     check_recipe(config.model)

@@ -60,6 +60,7 @@ from .lora import AdapterSlots, vllm_rank
 from .main_guard import require_main_guard
 from .phases import VLLMPhases
 from .reaper import Reaper
+from .refusals import check_policy
 
 
 class VLLMEngine(VLLMPhases):
@@ -100,6 +101,8 @@ class VLLMEngine(VLLMPhases):
         # (request id, positions) of finished requests whose routing is to be taken: requests finishing together share
         # one call to the worker (one call per request made the tiny MoE's step several times slower)
         self._routing = Batched(self._take_routing)
+
+    check_policy = staticmethod(check_policy)  # what vLLM here will refuse in the policy, before launch (refusals)
 
     def launch(self, model_path: str, adapter: Adapter | None = None) -> None:
         if self._users == 0:  # on the caller's thread, before vLLM's engine process is spawned
