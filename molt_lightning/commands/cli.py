@@ -165,10 +165,10 @@ def dropped_settings() -> list[str]:
     jsonargparse does, silently): which, and where they were set."""
     where = f" in {', '.join(dict.fromkeys(MoltParser.read))}" if MoltParser.read else ""
     short = {cls: cls.rpartition(".")[2] for pair in MoltParser.dropped for cls in pair}
-    return [f"molt: warning: {short[new]} does not take {', '.join(keys)} (set for {short[old]}{where}): the run goes "
-            f"on without {'it' if len(keys) == 1 else 'them'} (fix: remove {'it' if len(keys) == 1 else 'them'} from the "
-            f"recipe, or use a recipe written for {short[new]})"
-            for (old, new), keys in MoltParser.dropped.items() if keys]
+    it = {True: "it", False: "them"}
+    return [f"molt: warning: {short[new]} does not take {', '.join(keys)} (set for {short[old]}{where}): the run "
+            f"goes on without {it[len(keys) == 1]} (fix: remove {it[len(keys) == 1]} from the recipe, or use a recipe "
+            f"written for {short[new]})" for (old, new), keys in MoltParser.dropped.items() if keys]
 
 
 def _keys(parser) -> list[str]:
@@ -285,13 +285,29 @@ def main(args: list[str] | None = None) -> None:
     except (RolloutStopped, RolloutFailures, EngineUnavailable, DiskFull, MissingExtra) as e:
         print(f"molt: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         sys.exit(128 + 15 if isinstance(e, RolloutStopped) else 1)
-    except RuntimeError as e:  # a collective whose peer on another node is gone: name it and the way back
+    except Exception as e:  # a collective's peer on another node gone; a vLLM engine that died: the cause, last
         from ..trainer.parallel import lost_peer
 
-        if (why := lost_peer(e)) is None:
+        if (why := (lost_peer(e) if isinstance(e, RuntimeError) else None) or engine_died(e, quiet)) is None:
             raise
         print(f"molt: {why}", file=sys.stderr)
         sys.exit(1)
+
+
+def engine_died(e: Exception, quiet: list) -> str | None:
+    """When ``e`` says a vLLM engine died and the run's log (the quiet terminal's: the engine process wrote there)
+    holds the error it died of, that error and where the rest is, as one line; the traceback goes to the log."""
+    import traceback
+
+    from ..engines.vllm.refusals import start_failure
+
+    log = quiet[0].path if quiet else None
+    cause = start_failure(e, Path(log).read_text(errors="replace")) if log and Path(log).exists() else None
+    if cause is None:
+        return None
+    with open(log, "a") as f:
+        traceback.print_exception(e, file=f)
+    return f"the vLLM engine died: {cause} (its log and the traceback: {log})"
 
 
 def molt_cli(quiet: list | None = None):
