@@ -1,9 +1,17 @@
-"""The algorithm pieces inside the loop (torch engine): every recipe in recipes/algorithms runs; the critic, the
+"""The algorithm pieces inside the loop (torch engine): every recipe in recipes/algorithms (an overlay on
+recipes/default.yaml holding only what differs) runs its algorithm as stacked on the default; the critic, the
 reference policy and dynamic sampling are wired as their algorithms need."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
+import functools
+import io
+import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -15,9 +23,31 @@ from test_loop import make as make_loop
 from molt_lightning.rollout import source as rollout
 from molt_lightning.algorithms import GROUP_FILTERS, Algorithm
 from molt_lightning.engines import TorchEngine
+from molt_lightning.commands.cli import main
 from molt_lightning.trainer.policy import logprobs_and_entropy
 
-RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes" / "algorithms").glob("*.yaml"))
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes" / "algorithms").glob("*.yaml"))
+DEFAULT = "recipes/default.yaml"
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+@functools.cache
+def _stacked(*configs: str) -> str:
+    out = io.StringIO()
+    with contextlib.chdir(ROOT), mock.patch.object(sys, "argv", ["molt"]), contextlib.redirect_stdout(out), \
+            pytest.raises(SystemExit) as e:
+        main(["fit", *(a for c in configs for a in ("--config", c)), "--print_config"])
+    assert e.value.code in (0, None)
+    return out.getvalue()
+
+
+def stacked(*configs: str) -> dict:
+    """The configuration ``molt fit --config C1 --config C2 ...`` runs (its --print_config), from the repository root."""
+    return yaml.safe_load(_stacked(*configs))
 
 
 def fit(module, tmp_path, steps, callbacks=()):
@@ -30,12 +60,13 @@ def make(algo: Algorithm, **kw):
 
 
 def recipe_algo(path: Path) -> Algorithm:
-    return Algorithm(**yaml.safe_load(path.read_text())["model"]["algo"])
+    """The algorithm of the overlay stacked on the default, as `molt fit` runs it."""
+    return Algorithm(**stacked(DEFAULT, rel(path))["model"]["algo"])
 
 
 def recipe_rollout(path: Path) -> dict:
     """The recipe's group size (one-sample algorithms), at the test's size of 2 prompts a step."""
-    return {"group_size": 1, "prompts_per_step": 8} if yaml.safe_load(path.read_text())["model"]["rollout"][
+    return {"group_size": 1, "prompts_per_step": 8} if stacked(DEFAULT, rel(path))["model"]["rollout"][
         "group_size"] == 1 else {}
 
 
@@ -155,18 +186,35 @@ def test_filtered_groups_are_counted_with_their_reward():
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
-def test_recipe_differs_from_the_default_only_in_its_algorithm(recipe):
-    """The family recipes are full copies of recipes/default.yaml (each runs on its own); keep them from drifting. A
-    one-sample algorithm (FlashREINFORCE) moves the default's 64 samples a step into 64 groups of one."""
-    default = yaml.safe_load((recipe.parents[1] / "default.yaml").read_text())
+def test_an_algorithm_recipe_is_an_overlay_of_only_what_differs(recipe):
+    """Each family recipe is an overlay on recipes/default.yaml (its first line the command that stacks them:
+    tests/test_recipes.py parses it) that holds its log name (runs/NAME), its algorithm and, for a one-sample
+    algorithm (FlashREINFORCE), the default's 64 samples a step as 64 groups of one: nothing the default already says,
+    so the recipes cannot drift from it."""
+    text = recipe.read_text()
+    assert text.startswith(f"# Overlay on {DEFAULT}: `molt fit --config {DEFAULT} --config {rel(recipe)}`")
+    default, this = yaml.safe_load((ROOT / DEFAULT).read_text()), yaml.safe_load(text)
+    assert set(this) == {"trainer", "model"} and set(this["model"]) <= {"algo", "rollout"}, set(this)
+    assert this["trainer"] == {"logger": {"init_args": {"name": recipe.stem}}}
+    assert this["model"]["algo"] != default["model"]["algo"]
+    if rollout := this["model"].get("rollout"):
+        assert rollout == {"group_size": 1, "prompts_per_step": default["model"]["rollout"]["group_size"] *
+                           default["model"]["rollout"]["prompts_per_step"]}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
+def test_an_algorithm_overlay_stacked_on_the_default_is_the_default_with_its_differences(recipe):
+    """Stacked (`molt fit --config recipes/default.yaml --config recipes/algorithms/X.yaml`), the run is the
+    default's in all but the overlay's keys, and its algorithm is the overlay's ``model.algo`` over Algorithm's
+    defaults: nothing of the default recipe's ``algo`` leaks in (its ``scale_by_std: false``; nested keys merge key
+    by key, so each overlay says ``scale_by_std: true``). Each stacked configuration was checked equal, key for key, to
+    the one of the full copy each recipe was before it became an overlay."""
     this = yaml.safe_load(recipe.read_text())
-    if this["model"]["rollout"]["group_size"] == 1:
-        r = this["model"]["rollout"]
-        r["group_size"], r["prompts_per_step"] = 8, r["prompts_per_step"] // 8
-    for cfg in (default, this):
-        cfg["model"].pop("algo")
-        cfg["trainer"]["logger"]["init_args"].pop("name")
-    assert this == default
+    expected = copy.deepcopy(stacked(DEFAULT))
+    expected["trainer"]["logger"]["init_args"]["name"] = recipe.stem
+    expected["model"]["rollout"].update(this["model"].get("rollout", {}))
+    expected["model"]["algo"] = dataclasses.asdict(Algorithm(**this["model"]["algo"]))
+    assert stacked(DEFAULT, rel(recipe)) == expected
 
 
 def test_turn_credit_tags_each_token_with_its_turn_and_the_agents_turn_rewards(tmp_path):

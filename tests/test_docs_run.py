@@ -97,7 +97,7 @@ LISTED: dict[str, tuple[str, str]] = {  # (and, for "long", the start of command
                 "recipes/lora.yaml); tests/test_export.py exports both, merged and not"),
     "docs/algorithms.md: for s in 0 1 2; do for r in grpo grpo_kl dr_grpo dapo gspo cispo rloo reinforce reinforce_pp "
     "ppo icepop; do": ("no", "33 runs of 60 steps (about an hour here): molt-bench reproduce algorithms; "
-                             "tests/test_algorithms_loop.py runs each overlay"),
+                             "tests/test_algorithms_loop.py trains each overlay's algorithm stacked on the default"),
     "docs/molt-bench.md: molt-bench run arithmetic-tiny --stack molt --seeds 3 --out runs/molt-async": (
         "long", "six runs of the protocol, then the import of TensorBoard files of a slime run (tb/seed0: a "
                 "placeholder for yours); tests/bench/ runs each command on small run sets"),

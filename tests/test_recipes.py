@@ -1,4 +1,4 @@
-"""Every recipe says what it is: a whole recipe (``molt fit``'s has ``model.agent`` and ``model.tasks``, ``molt sft``'s
+"""Every recipe (recipes/*.yaml, recipes/algorithms/*.yaml) says what it is: a whole recipe (``molt fit``'s has ``model.agent`` and ``model.tasks``, ``molt sft``'s
 ``data``), or an overlay whose first line names its base and the command that stacks them
 (``# Overlay on recipes/BASE.yaml: `molt fit --config recipes/BASE.yaml --config recipes/THIS.yaml```); that command
 parses, and the overlay alone is refused with that command as its fix."""
@@ -15,31 +15,36 @@ import yaml
 from molt_lightning.commands.cli import OVERLAY, main
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml")) + sorted((ROOT / "recipes" / "algorithms").glob("*.yaml"))
+
+
+def name(path: Path) -> str:
+    """The recipe's path from the repository root (recipes/X.yaml, recipes/algorithms/X.yaml)."""
+    return path.relative_to(ROOT).as_posix()
 
 
 def overlay(path: Path) -> re.Match | None:
     return OVERLAY.match(path.read_text())
 
 
-@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", RECIPES, ids=name)
 def test_a_recipe_is_whole_or_a_declared_overlay(path):
     recipe = yaml.safe_load(path.read_text())
     model = recipe.get("model") or {}
     whole = ("agent" in model and "tasks" in model) or "data" in recipe
     m = overlay(path)
-    assert whole != bool(m), f"{path.name}: " + ("a whole recipe marked as an overlay" if whole else
+    assert whole != bool(m), f"{name(path)}: " + ("a whole recipe marked as an overlay" if whole else
                                                 "neither a whole recipe (model.agent, model.tasks) nor an overlay "
                                                 "whose first line is `# Overlay on recipes/BASE.yaml: `molt fit "
                                                 "--config recipes/BASE.yaml --config recipes/THIS.yaml``")
     if m:
-        assert (ROOT / m[1]).exists() and m[3] == f"recipes/{path.name}", m[0]
+        assert (ROOT / m[1]).exists() and m[3] == name(path), m[0]
 
 
 OVERLAYS = [p for p in RECIPES if overlay(p)]
 
 
-@pytest.mark.parametrize("path", OVERLAYS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", OVERLAYS, ids=name)
 def test_an_overlay_stacked_as_its_first_line_says_parses(path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit) as e:
@@ -47,11 +52,11 @@ def test_an_overlay_stacked_as_its_first_line_says_parses(path, monkeypatch, cap
     assert e.value.code in (0, None), capsys.readouterr().err
 
 
-@pytest.mark.parametrize("path", OVERLAYS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", OVERLAYS, ids=name)
 def test_an_overlay_alone_is_refused_with_the_command_that_stacks_it(path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit) as e:
-        main(["fit", "--config", f"recipes/{path.name}"])
+        main(["fit", "--config", name(path)])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert f"recipes/{path.name} is an overlay" in err and overlay(path)[2] in err, err
+    assert f"{name(path)} is an overlay" in err and overlay(path)[2] in err, err

@@ -107,7 +107,9 @@ class MoltParser(LightningArgumentParser):
 
     def parse_path(self, path, *args, **kwargs):
         self._reading = path  # a YAML error in it is reported while it is read: name the file
-        MoltParser.read.append(str(path))  # the recipes given (the error comes from another parser instance)
+        # the recipes given (the error comes from another parser instance), absolute: jsonargparse reads a recipe from
+        # its own folder, so an error while it is read comes with the working directory moved there
+        MoltParser.read.append(str(Path(str(path)).absolute()))
         try:
             return super().parse_path(path, *args, **kwargs)
         finally:
@@ -125,10 +127,9 @@ def fix_for(message: str, parser) -> str | None:
     if message.startswith("Problems parsing config"):
         return ("the recipe is not valid YAML at the line and column above: nest keys by indenting them under their "
                 "parent (spaces, not tabs), write `key: value`, and close every bracket and quote")
+    if over := _overlay_alone():  # whatever fails first (a missing key, a logger's init_args without its class)
+        return f"{over[3]} is an overlay on {over[1]}, not a whole recipe: stack it on its base: {over[2]}"
     if m := re.search(r"arguments are required: (.+)", message):
-        overlays = [OVERLAY.match(Path(p).read_text()) for p in MoltParser.read if Path(p).is_file()]
-        if over := next((o for o in overlays if o), None):
-            return f"{over[3]} is an overlay on {over[1]}, not a whole recipe: stack it on its base: {over[2]}"
         wanted = [k.strip().removeprefix("fit.") for k in m[1].split(",")]
         return "; ".join(f"{k} takes {EXAMPLES[k]}" for k in wanted if k in EXAMPLES) or None
     if m := re.match(r'Parser key "([^"]+)"', message):
@@ -148,6 +149,16 @@ def fix_for(message: str, parser) -> str | None:
         prog = parser.prog.replace(" [options]", "")
         known = f"`{prog} --help` lists every key (a recipe nests them under trainer:, model:, seed_everything:)"
         return f"did you mean {' or '.join(close)}? {known}" if close else known
+    return None
+
+
+def _overlay_alone() -> re.Match | None:
+    """The first recipe read that declares itself an overlay on a base that was not read (its first line)."""
+    read = [Path(p).resolve().as_posix() for p in MoltParser.read]
+    for p in MoltParser.read:
+        over = OVERLAY.match(Path(p).read_text()) if Path(p).is_file() else None
+        if over and not any(r.endswith("/" + over[1]) for r in read):
+            return over
     return None
 
 
