@@ -15,7 +15,7 @@ import yaml
 from molt_lightning.commands.cli import OVERLAY, main
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = sorted((ROOT / "recipes").glob("*.yaml")) + sorted((ROOT / "recipes" / "algorithms").glob("*.yaml"))
+RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))  # recipes/, its algorithm overlays, its research examples
 
 
 def name(path: Path) -> str:
