@@ -69,6 +69,10 @@ RUNS: dict[str, list[tuple[str, str]]] = {
     "docs/configuration.md: from molt_lightning import AsyncRLModule, Batching, Optim, Rollout": [("python", "exec")],
     "docs/agents.md: import json, openai": [("python", "exec")],
     "docs/configuration.md: AsyncRLModule(": [("python", "signature")],
+    "docs/research.md: def top_entropy(inp: SelectionInputs, cfg) -> torch.Tensor:": [
+        ("python", "source molt_lightning/algorithms/selection.py")],
+    "docs/research.md: def overlong_filter(inp: SelectionInputs, cfg) -> torch.Tensor:": [
+        ("python", "source molt_lightning/algorithms/selection.py")],
 }
 
 # what the suite does not run, and why. "long": `make docs-long` runs it as written; "no": it cannot run here.
@@ -102,6 +106,10 @@ LISTED: dict[str, tuple[str, str]] = {  # (and, for "long", the start of command
         "long", "six runs of the protocol, then the import of TensorBoard files of a slime run (tb/seed0: a "
                 "placeholder for yours); tests/bench/ runs each command on small run sets"),
     "docs/reproducing.md: molt-bench reproduce default-run": ("long", "the default run and its report (~6 min)"),
+    "docs/research.md: molt fit --config recipes/default.yaml --config recipes/research/forking_tokens.yaml": (
+        "run", "tests/test_research.py runs each research overlay 2 steps through molt fit"),
+    "docs/research.md: make setup-test && .venv/bin/python -m pytest -q tests/test_selection.py": (
+        "run", "CI's make test runs the suite, tests/test_selection.py and the fast tier included"),
     "docs/scale.md: MOLT_API_KEY=T PORT=8000 scripts/multinode.sh server": (
         "no", "several hosts; tests/test_multinode.py runs two nodes on loopback"),
     "docs/testing.md: python -m pytest benchmarks/micro/test_micro.py": (
@@ -349,6 +357,14 @@ def test_python_blocks_run():
             continue
         scope = {"agent": calculator_agent, "tasks": tasks}  # what a fragment takes from the page around it
         exec(compile(python_block(key), key, "exec"), scope)  # noqa: S102 - the docs' own code
+
+
+def test_python_blocks_that_show_the_packages_code_are_its_code():
+    """A block that shows a function of the package (docs/research.md's selections) is that function, verbatim."""
+    for key, steps in RUNS.items():
+        if steps[0][0] == "python" and steps[0][1].startswith("source "):
+            source = (ROOT / steps[0][1].removeprefix("source ")).read_text()
+            assert python_block(key).strip() in source, f"{key}: not the code of {steps[0][1]}: copy it again"
 
 
 def test_configuration_lists_the_module_signature():
