@@ -338,7 +338,8 @@ def test_the_checks_catch_what_they_should(tmp_path):
                    "https://github.com/a/b", "data/train.jsonl", "recipes/X.yaml", "out/", "recipes/$r.yaml"):
         assert path_problem(exempt, True) is None, exempt
     assert resolve("molt_lightning.agents.Answer") is None
-    assert resolve("molt_lightning.tasks.verifiers_envs:PythonToolTaskset") is None
+    assert resolve("molt_lightning.tasks.verifiers_envs:PythonToolTaskset") == (  # verifiers: the envs extra
+        None if importlib.util.find_spec("verifiers") else f"{NEEDS}verifiers")
     assert "moved" in resolve("molt_lightning.envs.EnvAgent")
     assert "no attribute" in resolve("molt_lightning.agents.NoSuchThing")
     assert [n for n, _ in command_problems("molt fit --config x && molt nope && python -m molt_lightning.nope")] == \
