@@ -46,7 +46,7 @@ def _stacked(*configs: str) -> str:
 
 
 def stacked(*configs: str) -> dict:
-    """The configuration ``molt fit --config C1 --config C2 ...`` runs (its --print_config), from the repository root."""
+    """The configuration ``molt fit --config C1 --config C2 ...`` runs (its --print_config), from the repo's root."""
     return yaml.safe_load(_stacked(*configs))
 
 

@@ -347,7 +347,8 @@ def test_the_sample_log_keeps_the_agents_info(tmp_path):
     trainer = SimpleNamespace(global_rank=0, logger=SimpleNamespace(log_dir=str(tmp_path)))
     module = SimpleNamespace(policy_version=1, tokenizer=SimpleNamespace(decode=lambda ids: ""))
     batch = SimpleNamespace(trajectories=[Trajectory(sample_id=3, group_id=0, reward=0.65, info=info)])
-    RolloutSamples(every_n_steps=1).on_train_batch_end(trainer, module, {"batch": batch}, None, 0)
+    outputs = {"record": SimpleNamespace(batch=batch)}  # the step's record: what the callback reads
+    RolloutSamples(every_n_steps=1).on_train_batch_end(trainer, module, outputs, None, 0)
     [line] = [json.loads(x) for x in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
     assert line["info"]["judge"] == info["judge"] and line["info"]["odd"] == "{1, 2}" and line["sample_id"] == 3
 
