@@ -1,7 +1,7 @@
 """Every recipe under recipes/ (its algorithms/ and research/ overlays too) says what it is: a whole recipe (``molt
-fit``'s has ``model.agent`` and ``model.tasks``, ``molt sft``'s ``data``), or an overlay whose first line names its base and the command that stacks them
-(``# Overlay on recipes/BASE.yaml: `molt fit --config recipes/BASE.yaml --config recipes/THIS.yaml```); that command
-parses, and the overlay alone is refused with that command as its fix."""
+fit``'s has ``model.agent`` and ``model.tasks``, ``molt sft``'s ``data``), or an overlay whose first line names its base
+and the command that stacks them (``# Overlay on recipes/BASE.yaml: `molt fit --config recipes/BASE.yaml --config
+recipes/THIS.yaml```); that command parses, and the overlay alone is refused with that command as its fix."""
 
 from __future__ import annotations
 
