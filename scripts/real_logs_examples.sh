@@ -34,4 +34,6 @@ $B import "$L"/nemo-rl/grpo-nanov3-30BA3B-2n8g-fsdp2.metrics.json --protocol nem
     --source-stack nemo-rl --label "NeMo-RL FSDP2 30B-A3B" --out $R/nemo-30b-a3b
 $B import "$L"/areal/logs_1xA100_fastest_completed.txt --protocol areal-gsm8k-fastest --source-stack areal \
     --seed-ids 0,1 --label "AReaL (a run and its relaunch)" --out $R/areal
-$B check $R/nemo-7b $R/nemo-30b-a3b $R/areal
+# it finds errors here on purpose (NeMo-RL 7B collapses and its engine/trainer mismatch is far out of range): check
+# exits 1 for "errors found", and the script succeeds when that is why (any other failure still fails it)
+$B check $R/nemo-7b $R/nemo-30b-a3b $R/areal || [ $? -eq 1 ]
