@@ -8,10 +8,8 @@ import sys
 from pathlib import Path
 
 import lightning as L
-import pandas as pd
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
 
 from molt_lightning.algorithms import Algorithm, LossInputs, SelectionInputs, build, objective
 from molt_lightning.algorithms.objective import Norm
@@ -23,6 +21,7 @@ from molt_lightning.trainer.plan import plan, selected
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 sys.path.insert(0, str(Path(__file__).parent))
 from modules import make_module  # noqa: E402
+from test_loop import fit  # noqa: E402
 from test_step import synthetic_batch  # noqa: E402
 
 MASK = torch.tensor([[True, True, True, False], [True, True, True, False]])  # (2, 4): six policy tokens
@@ -114,14 +113,6 @@ class Records(L.Callback):
         self.records.append(outputs["record"])
 
 
-def fit(module, tmp_path, steps, callbacks):
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1,
-                        enable_checkpointing=False, callbacks=callbacks, enable_progress_bar=False,
-                        enable_model_summary=False)
-    trainer.fit(module)
-    return pd.read_csv(f"{trainer.logger.log_dir}/metrics.csv")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("updates", [1, 2])
 def test_the_step_hands_out_what_it_computed(tmp_path, updates):
@@ -132,7 +123,7 @@ def test_the_step_hands_out_what_it_computed(tmp_path, updates):
         got = Records()
         module = make_module(engine=TorchEngine(seed=0), group_size=4, prompts_per_step=4, max_lag=0, lr=lr,
                              updates_per_batch=updates, micro_batch_tokens=256)
-        df = fit(module, tmp_path / f"{lr}", 2 * updates, [got, UpdateKL()])  # max_steps counts optimizer steps
+        _, df = fit(module, tmp_path / f"{lr}", 2 * updates, [got, UpdateKL()])  # max_steps: optimizer steps
         for record in got.records:
             mask = record.loss_mask
             assert record.rows == sorted(range(len(record.batch.traj_ids)))
@@ -150,7 +141,7 @@ def test_a_selection_from_the_recipe_reaches_the_step_and_its_metrics(tmp_path):
     got = Records()
     module = make_module(engine=TorchEngine(seed=0), group_size=4, prompts_per_step=4, max_lag=0,
                          micro_batch_tokens=128, algo=Algorithm(token_selection="top_entropy", top_entropy_share=0.2))
-    df = fit(module, tmp_path, 2, [got])
+    _, df = fit(module, tmp_path, 2, [got])
     for record in got.records:
         share = float(record.loss_mask.sum() / record.policy_mask.sum())
         assert share == pytest.approx(0.2, abs=0.05)

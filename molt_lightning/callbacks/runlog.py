@@ -102,6 +102,11 @@ class QuietTerminal:
                   file=sys.stderr)
 
 
+def run_folder(trainer) -> Path:
+    """Where a run writes: its logger's folder, else the Trainer's root (``logger: false``)."""
+    return Path(trainer.logger.log_dir if trainer.logger else trainer.default_root_dir)
+
+
 @contextmanager
 def quieted(quiet: list):
     """Ends the quiet terminal in ``quiet`` (if one was set up inside) when the block ends, as a failure unless it

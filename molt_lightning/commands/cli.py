@@ -329,7 +329,7 @@ def molt_cli(quiet: list | None = None):
     from lightning.pytorch.plugins import CheckpointIO
 
     from ..callbacks.checkpoint import AtomicCheckpointIO
-    from ..callbacks.runlog import QuietTerminal, RunSummary, terminal_callbacks, wants_quiet
+    from ..callbacks.runlog import QuietTerminal, RunSummary, run_folder, terminal_callbacks, wants_quiet
     from ..extras import require_for
     from ..trainer.parallel import LORA_UNDER_FSDP2, STRATEGIES, SUPPORTED
 
@@ -361,8 +361,7 @@ def molt_cli(quiet: list | None = None):
 
         def before_fit(self) -> None:
             if quiet:  # the run folder is known now; the log moves there before fit starts any other process
-                logger = self.trainer.logger
-                quiet[0].move_to(Path(logger.log_dir if logger else self.trainer.default_root_dir) / "molt.log")
+                quiet[0].move_to(run_folder(self.trainer) / "molt.log")
 
         @contextmanager
         def _answered(self):

@@ -22,7 +22,7 @@ def main(argv: list[str], molt_cli, parser_class) -> None:
     import warnings
 
     from ..callbacks.evaluate import Evaluate
-    from ..callbacks.runlog import QuietTerminal, quieted
+    from ..callbacks.runlog import QuietTerminal, quieted, run_folder
     from ..rollout.heldout import per_prompt_rewards, summarize, table
     from ..module import AsyncRLModule
 
@@ -47,9 +47,8 @@ def main(argv: list[str], molt_cli, parser_class) -> None:
                                   parser_kwargs={"prog": "molt eval"}, auto_configure_optimizers=False,
                                   save_config_callback=None)
         if quiet:
-            logger = cli.trainer.logger
-            folder = Path(logger.log_dir if logger else cli.trainer.default_root_dir)
-            quiet[0].move_to(Path(ours.out).with_suffix(".log") if ours.out else folder / "molt-eval.log")
+            log = Path(ours.out).with_suffix(".log") if ours.out else run_folder(cli.trainer) / "molt-eval.log"
+            quiet[0].move_to(log)
         found = [c for c in cli.trainer.callbacks if isinstance(c, Evaluate)]
         if not found:
             raise SystemExit("molt eval: the recipe has no molt_lightning.callbacks.Evaluate under trainer.callbacks: "

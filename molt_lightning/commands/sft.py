@@ -282,16 +282,13 @@ def main(argv: list[str], parser_class) -> None:
     """Fits with ``molt fit``'s terminal: a step bar and a summary (the loss at the start and the end: sft measures
     no skill), on a terminal (``wants_quiet``) everything else in ``molt.log`` in the run folder; then where the
     policy went."""
-    from pathlib import Path
-
-    from ..callbacks.runlog import quieted
+    from ..callbacks.runlog import quieted, run_folder
 
     quiet: list = []
     with quieted(quiet):
         cli = sft_cli(argv, parser_class, quiet)
         if quiet:
-            logger = cli.trainer.logger
-            quiet[0].move_to(Path(logger.log_dir if logger else cli.trainer.default_root_dir) / "molt.log")
+            quiet[0].move_to(run_folder(cli.trainer) / "molt.log")
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     out = cli.model.hparams.out
     if out and cli.trainer.global_rank == 0:

@@ -94,7 +94,7 @@ def selected(batch: Batch, select, entropy: torch.Tensor | None, cfg) -> tuple[B
     mask = batch.loss_mask[:, 1:]  # (N, T-1)
     causes = [getattr(batch.trajectories[i].truncation, "value", "") for i in batch.traj_ids.tolist()]  # (N,)
     kept = select(SelectionInputs(mask, entropy, causes), cfg) & mask  # a selection only removes tokens
-    dropped = len({i for i, (a, k) in enumerate(zip(mask.any(-1).tolist(), kept.any(-1).tolist())) if a and not k})
+    dropped = int((mask.any(-1) & ~kept.any(-1)).sum())  # rows that had a policy token and kept none
     metrics = {"select/kept_frac": float(kept.sum()) / max(float(mask.sum()), 1.0), "select/samples_dropped": dropped}
     return replace(batch, loss_mask=torch.cat([batch.loss_mask[:, :1], kept], 1)), metrics
 
