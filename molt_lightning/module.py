@@ -140,9 +140,9 @@ class AsyncRLModule(L.LightningModule):
         return torch.optim.AdamW(self.trainable_parameters(), lr=self.optim.lr, weight_decay=self.optim.weight_decay)
 
     def configure_callbacks(self):
-        from .callbacks import RewardPlot, RolloutMonitor, WeightSync, script_terminal
+        from .callbacks import RewardPlot, RolloutMonitor, RunTrace, WeightSync, script_terminal
 
-        missing = [cb for cb in (WeightSync, RolloutMonitor, RewardPlot)
+        missing = [cb for cb in (WeightSync, RolloutMonitor, RewardPlot, RunTrace)
                    if not any(isinstance(c, cb) for c in self.trainer.callbacks)]
         return [_StopOnException()] + [cb() for cb in missing] + script_terminal(self.trainer)
 

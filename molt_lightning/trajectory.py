@@ -132,6 +132,8 @@ class Trajectory:
     turn_keys: list | None = None  # the agent's state key per turn (``AgentResult.turn_keys``; GiGPO)
     member: int | str = 0  # its place in the group (an evaluation's runs: "eval0", "eval1", ...)
     sample: dict | None = None  # the task sample its agent ran on
+    started: float = 0.0  # wall-clock seconds (time.time()) its agent run started and ended (the rollout source)
+    ended: float = 0.0
 
     def policy_spans(self):
         return (s for seg in self.segments for s in seg if s.kind == Kind.POLICY)

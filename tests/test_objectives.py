@@ -262,7 +262,7 @@ def test_distillation_needs_a_teacher_and_a_coefficient():
 
 def test_per_turn_lists_of_the_wrong_shape_fail_the_run_with_the_reason():
     from molt_lightning.agents.client import AgentResult
-    from molt_lightning.rollout.source import _check_turns
+    from molt_lightning.rollout.agent_run import _check_turns
 
     assert _check_turns(AgentResult(1.0, turn_rewards=[0.0, 1.0], turn_keys=["a", ("b", 1)]), 2) is None
     assert "turn_rewards has 1 entries for 2 turns" in _check_turns(AgentResult(1.0, turn_rewards=[1.0]), 2)

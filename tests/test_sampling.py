@@ -18,7 +18,7 @@ from molt_lightning.agents.sessions import AgentSessions
 from molt_lightning.engines import EnginePool, Sampling, TorchEngine
 from molt_lightning.engines.base import derive_seed, nucleus
 from molt_lightning.engines.vllm.server import server_command
-from molt_lightning.rollout.source import request_seed
+from molt_lightning.rollout.agent_run import request_seed
 from molt_lightning.tasks.arithmetic import make_problem
 from molt_lightning.trajectory import Status, Trajectory, repeats
 

@@ -7,8 +7,9 @@ from .plot import RewardPlot
 from .progress import StepProgressBar
 from .runlog import script_terminal
 from .samples import RolloutSamples
+from .trace import RunTrace
 from .update_kl import UpdateKL
 from .weight_sync import WeightSync
 
-__all__ = ["Evaluate", "RewardPlot", "RolloutMonitor", "RolloutSamples", "SampleAudit", "StepProgressBar", "UpdateKL",
-           "WeightSync", "script_terminal"]
+__all__ = ["Evaluate", "RewardPlot", "RolloutMonitor", "RolloutSamples", "RunTrace", "SampleAudit", "StepProgressBar",
+           "UpdateKL", "WeightSync", "script_terminal"]

@@ -77,6 +77,7 @@ class Evaluate(L.Callback):
         self.at_start, self.at_end, self.max_prompts, self.seed = at_start, at_end, max_prompts, seed
         self.agent, self.success, self.concurrency = agent, success, concurrency
         self.keep_best, self.mode, self.overlap = keep_best, mode, overlap
+        self.finished: list[dict] = []  # the last rounds that ended, for the run's record (callbacks.trace)
         self.samples = self.held_out()
         self.dropped_seen = self.excluded_from_training = 0
         self._round = None  # (future, step, version, candidate checkpoint) of the round in flight
@@ -211,6 +212,9 @@ class Evaluate(L.Callback):
                     "per_prompt": evaluation.per_prompt_rewards(outcomes)})
         log.info("evaluation of version %d (step %d, %.1f s):\n%s", version, step, seconds,
                  evaluation.report(summary, self.k))
+        self.finished = [*self.finished[-3:], {  # for the run's record (callbacks.trace), the last few rounds
+            "step": step, "version": version, "seconds": seconds, "metrics": summary,
+            "trajectories": [o.traj for o in outcomes[:16] if o.traj is not None]}]
         if candidate is not None:
             self._keep(metrics, candidate)
 

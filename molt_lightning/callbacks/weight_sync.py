@@ -33,6 +33,6 @@ class WeightSync(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if pl_module.policy_version % self.every_n_steps == 0:
             seconds, sent = self.push(trainer, pl_module)
-            outputs["weight_sync_s"] = seconds  # for RolloutMonitor's split of the step's wall time
+            outputs["weight_sync_s"], outputs["sync_bytes"] = seconds, sent  # RolloutMonitor's split; RunTrace
             pl_module.log("perf/weight_sync_s", seconds, on_step=True, batch_size=1)
             pl_module.log("perf/sync_bytes", float(sent), on_step=True, batch_size=1)

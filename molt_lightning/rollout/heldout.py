@@ -53,6 +53,7 @@ class Outcome:
     answer: str | None = None
     failed: str | None = None  # why the run failed, if it did
     versions: tuple[int, int] | None = None  # (oldest, newest) version of its policy tokens
+    traj: Trajectory | None = None  # the run itself (the run's record keeps a few: callbacks.trace)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -130,7 +131,7 @@ async def run_round(samples: list[dict], agent: Callable, sessions: AgentSession
                     done: Callable[[], None] | None = None) -> list[Outcome]:
     """``k`` runs of ``agent`` per sample on ``sessions``' engine; run on the engine's loop; ``done()`` after each run
     (a progress bar's)."""
-    from .source import request_seed, run_agent  # the same runs and seeding as training, from its own seed
+    from .agent_run import request_seed, run_agent  # the same runs and seeding as training, from its own seed
 
     gate = asyncio.Semaphore(concurrency)
 
@@ -146,10 +147,10 @@ async def run_round(samples: list[dict], agent: Callable, sessions: AgentSession
         versions = [v for span in traj.policy_spans() for v in span.versions or []]
         span = (min(versions), max(versions)) if versions else None
         if why is not None:  # an evaluation run that fails scores 0, counted
-            return Outcome(source, i, 0.0, False, failed=why, versions=span)
+            return Outcome(source, i, 0.0, False, failed=why, versions=span, traj=traj)
         answer = traj.info.get("answer")
         return Outcome(source, i, traj.reward, traj.reward >= success, None if answer is None else str(answer),
-                       versions=span)
+                       versions=span, traj=traj)
 
     return list(await asyncio.gather(*[one(i, s, m) for i, s in enumerate(samples) for m in range(k)]))
 

@@ -22,7 +22,8 @@ distillation) scores each group's usable trajectories as it completes (``rollout
 score is a failed sample.
 
 What happened is counted in one record, ``RolloutCounts``, written here under the lock and read by the callbacks as a
-copy (``counts_now``).
+copy (``counts_now``); the last ``OUTCASTS`` samples not trained on (failed, stale, filtered) wait with their cause in
+``outcasts`` for a callback to take (``take_outcasts``: the run's record, ``callbacks.trace``).
 
 Sampling is seeded per request: turn ``k`` of member ``j`` of prompt ``i`` asks for its own seed, derived from
 (``task_seed``, ``i``, ``j``) plus ``k``, so what a prompt's agents sample does not depend on which requests the engine
@@ -44,18 +45,18 @@ import math
 import re
 import sys
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from .admission import Admission
-from ..agents.client import AgentResult
+from .agent_run import request_seed, run_agent
 from ..agents.sessions import AgentSessions
 from ..config import Rollout
 from .teacher import scored
 from ..engines.auxiliary import Auxiliary
-from ..engines.base import derive_seed
 from ..trajectory import Status, Trajectory, Truncation
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ STOP_TIMEOUT_S = 60  # for the agent runs to end once cancelled (an agent that s
 Group = list[Trajectory]
 FILTER_PATIENCE = 20  # batches' worth of consecutively rejected groups before dynamic sampling gives up
 LOGGED_PER_KIND = 5  # failures of one kind logged in full; after that only at every power of ten
+OUTCASTS = 256  # samples not trained on kept for ``take_outcasts`` (the oldest go first)
 
 
 class RolloutFailures(RuntimeError):
@@ -113,6 +115,7 @@ class RolloutSource:
         self._recent: deque[str | None] = deque(maxlen=self.failure_window)  # None: ok, else the failure kind
         self._failure_kinds, self._tasks = Counter(), set()  # failures per kind; the running groups' tasks
         self._stopping, self._switch_s = False, None
+        self.outcasts: deque[tuple[str, Trajectory]] = deque(maxlen=OUTCASTS)  # (cause, sample) not trained on
 
     # ----- lifecycle (trainer thread) -----
     def start(self, sessions: AgentSessions) -> None:
@@ -213,6 +216,7 @@ class RolloutSource:
                 self._ready.remove((order, group))
                 self.counts.dropped_stale_groups += 1
                 self.counts.dropped_stale_samples += len(group)
+                self.outcasts.extend(("stale", t) for t in group)
                 log.warning("dropped a group of sample %d: oldest token version %d, trainer %d, max_lag %d "
                             "(prompt queued again)", group[0].sample_id, min(t.oldest_version for t in group),
                             trainer_version, self.rollout.max_lag)
@@ -222,6 +226,12 @@ class RolloutSource:
             if len(self._ready) >= self.rollout.prompts_per_step:
                 return
             self._cond.wait(timeout=1.0)
+
+    def take_outcasts(self) -> list[tuple[str, Trajectory]]:
+        """The samples not trained on since the last call (at most ``OUTCASTS``), with their cause."""
+        with self._cond:
+            taken, self.outcasts = list(self.outcasts), deque(maxlen=OUTCASTS)
+            return taken
 
     def counts_now(self) -> RolloutCounts:
         """A copy of the counts, taken under the lock."""
@@ -286,6 +296,8 @@ class RolloutSource:
                     self.counts.truncated_by[t.truncation.value] += 1
                 self.counts.failed += t.status == Status.FAILED
                 self._recent.append(_kind(t.reason) if t.status == Status.FAILED else None)
+                if t.status == Status.FAILED:
+                    self.outcasts.append(("failed", t))
             self._breaker()
             if not usable:
                 self.counts.dropped_empty_groups += 1
@@ -322,6 +334,7 @@ class RolloutSource:
         self.counts.dropped_filtered_groups += 1
         self.counts.dropped_filtered_samples += len(usable)
         self.counts.filtered_reward_sum += sum(t.reward for t in usable)
+        self.outcasts.extend(("filtered", t) for t in usable)
         self.admission.mark_done(prompt)
         self._rejected_in_a_row += 1
         if self._rejected_in_a_row >= FILTER_PATIENCE * self.rollout.prompts_per_step:
@@ -330,9 +343,10 @@ class RolloutSource:
                 "the task is solved or unsolvable for this policy; turn the filter off (algo.group_filter: none)")
 
     async def _run_agent(self, prompt: int, order: int, index: int, sample: dict) -> Trajectory:
-        traj = Trajectory(sample_id=prompt, group_id=order, member=index, sample=sample)
+        traj = Trajectory(sample_id=prompt, group_id=order, member=index, sample=sample, started=time.time())
         why = await run_agent(self.agent, self.sessions, traj, request_seed(self.rollout.task_seed, prompt, index),
                               self.rollout.agent_timeout_s, self._count_agent_event)
+        traj.ended = time.time()
         return traj if why is None else self._failed(traj, why)
 
     def _failed(self, traj: Trajectory, reason: str) -> Trajectory:
@@ -343,55 +357,6 @@ class RolloutSource:
             log.warning("sample %d failed and will not be trained on (%d so far of this kind): %s",
                         traj.sample_id, n, reason)
         return traj.fail(reason)
-
-
-async def run_agent(agent: Callable, sessions: AgentSessions, traj: Trajectory, seed: int, timeout_s: float,
-                    counter: Callable[[str, int], None] | None = None, temperature: float | None = None) -> str | None:
-    """Run ``agent`` once on ``traj.sample`` (training's runs and held-out ones alike): its reward, info and per-turn
-    lists land on ``traj``; returns why the run failed (it raised, timed out, returned no float or a non-finite one,
-    or per-turn lists of the wrong shape), or None."""
-    async with sessions.client(traj, seed, counter, temperature) as client:
-        try:
-            result = await asyncio.wait_for(agent(client, traj.sample), timeout_s)
-        except asyncio.TimeoutError:
-            return f"timed out after {timeout_s}s"
-        except Exception as e:
-            return f"agent raised {type(e).__name__}: {e}"
-    reward = result.reward if isinstance(result, AgentResult) else result
-    try:
-        traj.reward = float(reward)
-    except (TypeError, ValueError):
-        return f"agent returned {reward!r}, not a float or AgentResult"
-    if not math.isfinite(traj.reward):
-        return f"non-finite reward {traj.reward}"
-    if isinstance(result, AgentResult):
-        traj.info.update(result.info)
-        problem = _check_turns(result, traj.turns)
-        if problem:
-            return problem
-        traj.turn_rewards = None if result.turn_rewards is None else [float(r) for r in result.turn_rewards]
-        traj.turn_keys = None if result.turn_keys is None else list(result.turn_keys)
-    return None
-
-
-def _check_turns(result: AgentResult, turns: int) -> str | None:
-    """Why ``result``'s per-turn lists cannot be used (one entry per engine call, finite rewards, hashable keys)."""
-    for name, given in (("turn_rewards", result.turn_rewards), ("turn_keys", result.turn_keys)):
-        if given is not None and len(given) != turns:
-            return f"AgentResult.{name} has {len(given)} entries for {turns} turns (one per engine call)"
-    try:
-        if result.turn_rewards is not None and not all(math.isfinite(float(r)) for r in result.turn_rewards):
-            return f"AgentResult.turn_rewards holds a non-finite reward: {result.turn_rewards}"
-        for key in result.turn_keys or []:
-            hash(key)
-    except (TypeError, ValueError) as e:
-        return f"AgentResult turn_rewards must be floats and turn_keys hashable: {e}"
-    return None
-
-
-def request_seed(task_seed: int, sample_id: int, member: int) -> int:
-    """The base seed of one agent run; its k-th request samples with ``base + k`` (see the module docstring)."""
-    return derive_seed(task_seed, sample_id, member)  # 62 bits: room for + k below 2**63
 
 
 def _kind(reason: str | None) -> str:

@@ -79,7 +79,7 @@ class _Rollouts:
 
     async def _one(self, prompt, member: int):
         from ...agents.client import AgentClient
-        from ...rollout.source import request_seed
+        from ...rollout.agent_run import request_seed
         from ...trajectory import Trajectory
 
         question = prompt[-1]["content"]
