@@ -1,8 +1,9 @@
 """``RunTrace``: the record of what the loop did, written into the run folder as the run goes (``trace.jsonl.gz``),
 what ``molt view`` shows below the curves.
 
-The file is a sequence of gzip members, one JSON object each, appended and flushed as it happens, so a run killed
-mid-write leaves every earlier entry readable (``read`` skips a torn tail and counts it). Entries, by ``type``:
+The file is a sequence of gzip members, one JSON object each, appended and flushed as it happens (a thread of the
+callback's own builds and writes them: the step only hands its record over), so a run killed mid-write leaves every
+earlier entry readable (``read`` skips a torn member and counts it). Entries, by ``type``:
 
 - ``run``: at each (re)start of training: the format, the step it starts at, the run's settings that explain samples
   (group size, max_lag, temperature, token selection);
@@ -26,9 +27,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
+import queue
+import threading
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -36,6 +41,7 @@ import torch
 
 from ..trajectory import Kind, Trajectory
 
+log = logging.getLogger(__name__)
 FILENAME = "trace.jsonl.gz"
 FORMAT = 1
 MAGIC = b"\x1f\x8b\x08"  # a gzip member's first bytes
@@ -59,44 +65,79 @@ class RunTrace(L.Callback):
             return
         self.path = Path(trainer.logger.log_dir) / self.filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._queue, self.failures = queue.SimpleQueue(), 0
+        self._writer = threading.Thread(target=self._drain, name="molt-trace", daemon=True)
+        self._writer.start()
         r, a = pl_module.rollout, pl_module.algo
-        self.write({"type": "run", "format": FORMAT, "time": time.time(), "step": trainer.global_step,
-                    "version": pl_module.policy_version, "group_size": r.group_size,
-                    "prompts_per_step": r.prompts_per_step, "max_lag": r.max_lag, "temperature": r.temperature,
-                    "token_selection": a.token_selection, "policy": str(pl_module.hparams.policy)})
+        self.submit({"type": "run", "format": FORMAT, "time": time.time(), "step": trainer.global_step,
+                     "version": pl_module.policy_version, "group_size": r.group_size,
+                     "prompts_per_step": r.prompts_per_step, "max_lag": r.max_lag, "temperature": r.temperature,
+                     "token_selection": a.token_selection, "policy": str(pl_module.hparams.policy)})
         self._t = time.time()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.path is None:
             return
-        record, now, step = outputs["record"], time.time(), pl_module.policy_version - 1
+        record, now, step, tokenizer = outputs["record"], time.time(), pl_module.policy_version - 1, pl_module.tokenizer
         self._events(trainer, pl_module, step)
-        metrics = {k: round(float(v), 6) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         sync = outputs.get("weight_sync_s")
-        self.write({
-            "type": "step", "step": step, "version": record.version, "start": self._t, "end": now,
-            "phases": {"wait_rollouts": record.trainer_idle_s, "train": record.train_compute_s,
-                       "weight_sync": sync or 0.0},
-            "sync": None if sync is None else {"version": pl_module.policy_version, "seconds": sync,
-                                               "bytes": outputs.get("sync_bytes"),
-                                               "verified": metrics.get("sync/verified")},
-            "metrics": metrics, "batch": _batch_groups(record.batch.trajectories),
-            "groups": self._groups(record, pl_module.tokenizer)})
-        outcasts = pl_module.source.take_outcasts() if pl_module._started else []
-        for cause, traj in outcasts[: self.outcasts_per_step]:
-            self.write({"type": "outcast", "step": step, "cause": cause, **self._sample(traj, pl_module.tokenizer)})
+        entry = {"type": "step", "step": step, "version": record.version, "start": self._t, "end": now,
+                 "phases": {"wait_rollouts": record.trainer_idle_s, "train": record.train_compute_s,
+                            "weight_sync": sync or 0.0},
+                 "sync": None if sync is None else {"version": pl_module.policy_version, "seconds": sync,
+                                                    "bytes": outputs.get("sync_bytes"),
+                                                    "verified": metrics.get("sync/verified")},
+                 "metrics": metrics}
+        outcasts = pl_module.source.take_outcasts()[: self.outcasts_per_step] if pl_module._started else []
+        self.submit(lambda: [  # built on the writer thread: the record's tensors are this step's own
+            {**entry, "batch": _batch_groups(record.batch.trajectories), "groups": self._groups(record, tokenizer)},
+            *({"type": "outcast", "step": step, "cause": cause, **self._sample(traj, tokenizer)}
+              for cause, traj in outcasts)])
         self._t = now
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.path is not None:
             self._events(trainer, pl_module, pl_module.policy_version - 1)
+            self.close()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self.close()
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         if self.path is not None:
-            self.write({"type": "checkpoint", "step": trainer.global_step - 1, "version": pl_module.policy_version,
-                        "time": time.time()})
+            self.submit({"type": "checkpoint", "step": trainer.global_step - 1, "version": pl_module.policy_version,
+                         "time": time.time()})
 
-    # ----- writing -----
+    # ----- writing (on a thread of its own: the trainer's step only hands the entries over) -----
+    def submit(self, entry: dict | Callable[[], list[dict]]) -> None:
+        """An entry, or a function that builds entries on the writer thread (here, once it has stopped: a checkpoint
+        saved after training ended)."""
+        if self.path is None:
+            return
+        if self._writer.is_alive():
+            self._queue.put(entry)
+        else:
+            for e in entry() if callable(entry) else [entry]:
+                self.write(e)
+
+    def close(self) -> None:
+        """Write what was submitted, then stop the writer."""
+        if self.path is not None and self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+            if self.failures:
+                log.warning("the run's record (%s) lost %d entries that could not be built", self.path, self.failures)
+
+    def _drain(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                for entry in item() if callable(item) else [item]:
+                    self.write(entry)
+            except Exception:  # noqa: BLE001 (a record is not worth a run: counted, logged at the end)
+                self.failures += 1
+                log.exception("RunTrace: an entry could not be built")
+
     def write(self, entry: dict) -> None:
         """One gzip member holding one JSON line, appended and flushed (a torn write loses only itself)."""
         with open(self.path, "ab") as f:
@@ -110,14 +151,14 @@ class RunTrace(L.Callback):
             while isinstance(cb, Evaluate) and cb.finished:
                 r = cb.finished.pop(0)
                 samples = [self._sample(t, pl_module.tokenizer) for t in r["trajectories"][: self.eval_samples]]
-                self.write({"type": "eval", **{k: v for k, v in r.items() if k != "trajectories"},
-                            "samples": samples})
+                self.submit({"type": "eval", **{k: v for k, v in r.items() if k != "trajectories"},
+                             "samples": samples})
         engines = getattr(pl_module.engine, "members", None) or [pl_module.engine]
         down = {str(getattr(e, "where", i)) for i, e in enumerate(engines) if not getattr(e, "healthy", True)}
         for where in down ^ self._down:
-            self.write({"type": "engine", "step": step, "time": time.time(), "engine": where,
-                        "state": "down" if where in down else "up",
-                        "reason": getattr(pl_module.engine, "_down_reason", "") if where in down else ""})
+            self.submit({"type": "engine", "step": step, "time": time.time(), "engine": where,
+                         "state": "down" if where in down else "up",
+                         "reason": getattr(pl_module.engine, "_down_reason", "") if where in down else ""})
         self._down = down
 
     def _groups(self, record, tokenizer) -> list[dict]:
