@@ -213,7 +213,7 @@ class Evaluate(L.Callback):
         log.info("evaluation of version %d (step %d, %.1f s):\n%s", version, step, seconds,
                  evaluation.report(summary, self.k))
         self.finished = [*self.finished[-3:], {  # for the run's record (callbacks.trace), the last few rounds
-            "step": step, "version": version, "seconds": seconds, "metrics": summary,
+            "step": step, "version": version, "seconds": seconds, "end": time.time(), "metrics": summary,
             "trajectories": [o.traj for o in outcomes[:16] if o.traj is not None]}]
         if candidate is not None:
             self._keep(metrics, candidate)

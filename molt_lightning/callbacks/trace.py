@@ -250,21 +250,27 @@ def _batch_groups(trajectories: list[Trajectory]) -> list[dict]:
 def read(path: str | os.PathLike) -> tuple[list[dict], int]:
     """The entries of a trace file and how many torn or unreadable members were skipped (a write cut short; a resumed
     run appends after it, so reading goes on at the next member's header)."""
-    data, entries, skipped = Path(path).read_bytes(), [], 0
-    while data:
-        d = zlib.decompressobj(wbits=31)
-        try:
-            text = d.decompress(data)
+    got = [entry for _, _, entry in members(Path(path).read_bytes())]
+    return [e for e in got if e is not None], sum(e is None for e in got)
+
+
+def members(data: bytes | memoryview, start: int = 0, chunk: int = 1 << 16):
+    """``(offset, end, entry)`` for each gzip member of ``data`` from ``start``: ``entry`` None for bytes that hold no
+    readable entry (from ``offset`` to the next member's header, or to the end: a torn tail, or one being written)."""
+    view, pos = memoryview(data), start
+    while pos < len(view):
+        d, fed, text = zlib.decompressobj(wbits=31), pos, b""
+        try:  # fed a chunk at a time: unused_data (a copy) stays small
+            while not d.eof and fed < len(view):
+                text += d.decompress(view[fed:fed + chunk])
+                fed = min(fed + chunk, len(view))
             entry = json.loads(text) if d.eof else None  # not at eof: the member ends before its trailer (torn)
         except (zlib.error, ValueError):
             entry = None
         if entry is None:
-            skipped += 1
-            at = data.find(MAGIC, 1)
-            data = data[at:] if at > 0 else b""
-            continue
-        entries.append(entry)
-        data = d.unused_data
-    return entries, skipped
-
-
+            at = bytes(view[pos + 1:]).find(MAGIC)
+            end = pos + 1 + at if at >= 0 else len(view)
+        else:
+            end = fed - len(d.unused_data)
+        yield pos, end, entry
+        pos = end

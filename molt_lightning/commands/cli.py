@@ -28,6 +28,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
+import importlib
 import os
 import re
 import sys
@@ -65,7 +66,11 @@ COMMANDS = {  # molt's commands, one line each (`molt --help`); LightningCLI's v
     "export": "a checkpoint of molt fit as a Hugging Face folder (molt export CKPT OUT)",
     "serve": "a vLLM server for RemoteVLLMEngine and EnginePool (molt serve --policy FOLDER)",
     "sft": "supervised fine-tuning on conversations (molt sft --config recipes/sft_tiny.yaml)",
+    "view": "a run browser: curves, steps, every token of the samples (molt view runs/default/version_0)",
 }
+# `molt serve` (a vLLM server for the remote engine), `molt export CKPT OUT` (a Hugging Face folder), `molt view
+# RUN_DIR...` (the run browser, outside fit's imports: scripts/size.py)
+OWN_PARSERS = {"serve": ".serve", "export": ".export", "view": "..view.server"}
 _UNKNOWN = re.compile(r"does not accept option '([^']+)'|unrecognized arguments: (\S+)|Option '([^']+)' is not acc")
 
 
@@ -256,14 +261,8 @@ def main(args: list[str] | None = None) -> None:
         print(f"molt: no command {argv[0]!r}: the commands are {', '.join(COMMANDS)} (`molt --help` says what each "
               "does)", file=sys.stderr)
         sys.exit(2)
-    if argv[:1] == ["serve"]:  # `molt serve`: a vLLM server for the remote engine (molt_lightning.commands.serve)
-        from .serve import main as serve
-
-        return serve(argv[1:])
-    if argv[:1] == ["export"]:  # `molt export CKPT OUT`: a Hugging Face folder (molt_lightning.commands.export)
-        from .export import main as export
-
-        return export(argv[1:])
+    if argv[0] in OWN_PARSERS:  # serve, export, view: commands with a parser of their own, imported when run
+        return importlib.import_module(OWN_PARSERS[argv[0]], __package__).main(argv[1:])
     from ..extras import MissingExtra
 
     try:
