@@ -192,7 +192,8 @@ def compare_metrics(runs: list[Run]) -> list[str]:
 
 
 def compare(runs: list[Run], metric: str) -> dict:
-    """Curves of ``metric`` overlaid, and for run sets molt-bench's verdict of each against the first."""
+    """Curves of ``metric`` overlaid, and for run sets molt-bench's verdict of the first (A) against each other one
+    (B: ``molt-bench compare FIRST OTHER``)."""
     series = [_series(f["step"], f[metric], f"{r.name}{label}") for r in runs for label, f in _frames(r)
               if metric in f]
     verdicts, notes = [], []
@@ -206,13 +207,13 @@ def compare(runs: list[Run], metric: str) -> dict:
 
     for other in sets[1:] if len(sets) == len(runs) else []:
         try:
-            a, b, _, results = compare_runsets(other.path, sets[0].path, [metric])
+            a, b, _, results = compare_runsets(sets[0].path, other.path, [metric])
         except Exception as e:  # noqa: BLE001 (shown on the page: unmatched protocols, a metric not listed)
-            verdicts.append({"a": other.name, "b": sets[0].name, "error": str(e)})
+            verdicts.append({"a": sets[0].name, "b": other.name, "error": str(e)})
             continue
         r = results[0]
         c = r.result
-        verdicts.append({"a": other.name, "b": sets[0].name, "verdict": verdict_line(r), "summary": r.summary,
+        verdicts.append({"a": sets[0].name, "b": other.name, "verdict": verdict_line(r), "summary": r.summary,
                          "mean_a": _mean(r.values_a), "mean_b": _mean(r.values_b), "n_a": len(r.values_a),
                          "n_b": len(r.values_b), "diff": None if c is None else c.diff,
                          "ci": None if c is None else c.diff_ci, "welch_p": None if c is None else c.welch_p,
