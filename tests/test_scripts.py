@@ -82,7 +82,8 @@ def test_quickstart_on_a_terminal_shows_a_step_bar_and_a_summary(policy_path, tm
     run_dir = tmp_path / "runs" / "lightning_logs" / "version_0"
     shown, log = out.stdout + out.stderr, (run_dir / "molt.log").read_text()
     assert "Step" in shown and "Epoch" not in shown and "molt: 3 steps in" in shown and "mean reward" in shown
-    assert "run folder: runs/lightning_logs/version_0 (metrics.csv, reward.png, molt.log, checkpoints)" in shown
+    assert "run folder: runs/lightning_logs/version_0 (metrics.csv, reward.png, trace.jsonl.gz, molt.log, " \
+        "checkpoints)\n  see every step and sample: molt view runs/lightning_logs/version_0" in shown
     assert "dataloader_iter" in log and "`max_steps=3` reached" in log  # Lightning's warnings and info, during fit
     assert "dataloader_iter" not in shown and "max_steps=3" not in shown
     assert len(shown.splitlines()) <= 12, shown

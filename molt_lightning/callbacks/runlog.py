@@ -14,8 +14,9 @@ it is on when standard output is a terminal.
 that never overlap: on a short run each is at most half of it), the agent runs that finished and what became of them
 (trained, failed, dropped, or still waiting when the run ended), the share of duplicate completions when it reaches
 ``DUPLICATES_NOTED`` in the first steps (``samples/duplicates``: engines sharing one random stream, or a policy already
-sure of its answers, such as a warm start), and where everything was written (the files that are there). Written by
-hand: Lightning has no run summary, and file-descriptor redirection is a few ``os.dup2`` calls.
+sure of its answers, such as a warm start), where everything was written (the files that are there) and the
+``molt view`` command that browses the run. Written by hand: Lightning has no run summary, and file-descriptor
+redirection is a few ``os.dup2`` calls.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def unlogged_root(trainer: dict) -> dict:
 
 
 DUPLICATES_NOTED = 0.25  # the summary names samples/duplicates from this share in the first steps up
-WRITTEN = ("metrics.csv", "eval.jsonl", "reward.png", "config.yaml", "molt.log", "checkpoints")  # named if there
+WRITTEN = ("metrics.csv", "eval.jsonl", "reward.png", "trace.jsonl.gz", "config.yaml", "molt.log", "checkpoints")  # named if there
 
 
 def wants_quiet() -> bool:
@@ -232,6 +233,8 @@ class RunSummary(L.Callback):
         if trainer.logger is not None:  # (not trainer.log_dir: a collective, and only rank 0 is here)
             lines += _held_out(trainer.logger.log_dir)
             lines.append(f"  run folder: {trainer.logger.log_dir}{_written(trainer.logger.log_dir)}")
+            if os.path.exists(os.path.join(trainer.logger.log_dir or "", "trace.jsonl.gz")):  # callbacks.trace
+                lines.append(f"  see every step and sample: molt view {trainer.logger.log_dir}")
         return "\n".join(lines)
 
 
