@@ -37,12 +37,13 @@ BIN = Path(sys.executable).parent  # .venv/bin: molt, molt-bench
 RUN_LANGS = {"bash", "sh", "shell", "console", "python"}
 
 # block key -> the commands of the block in order: (the command as the page writes it, what the suite does instead).
-# "+ ARGS" appends ARGS; "A -> B" replaces A by B in the command; "serve" starts it, asks it once and stops it; "" runs
-# it as written.
+# "+ ARGS" appends ARGS; "A -> B" replaces A by B in the command; "serve" starts it (molt serve, molt view), asks it
+# once and stops it; "" runs it as written.
 RUNS: dict[str, list[tuple[str, str]]] = {
     "README.md: source .venv/bin/activate": [
         ("source .venv/bin/activate", ""),
         ("molt fit --config recipes/default.yaml --trainer.max_steps 30", "+ --trainer.max_steps 2"),
+        ("molt view runs/default/version_0", "serve"),
     ],
     "README.md: molt sft --config recipes/sft_tiny.yaml": [  # after the block above, in the same folder
         ("molt sft --config recipes/sft_tiny.yaml", "+ --trainer.max_steps 2"),
@@ -110,6 +111,10 @@ LISTED: dict[str, tuple[str, str]] = {  # (and, for "long", the start of command
         "run", "tests/test_research.py runs each research overlay 2 steps through molt fit"),
     "docs/research.md: make setup-test && .venv/bin/python -m pytest -q tests/test_selection.py": (
         "run", "CI's make test runs the suite, tests/test_selection.py and the fast tier included"),
+    "docs/view.md: molt view runs/default/version_0": (
+        "run", "the README's block serves a run with molt view; tests/test_view_browser.py drives the pages"),
+    "docs/view.md: molt view runs/default/version_0 runs/default/version_1 runs/molt-async runs/molt-sync": (
+        "run", "runs and run sets of the user's; tests/test_view_browser.py serves a run and two run sets"),
     "docs/scale.md: MOLT_API_KEY=T PORT=8000 scripts/multinode.sh server": (
         "no", "several hosts; tests/test_multinode.py runs two nodes on loopback"),
     "docs/testing.md: python -m pytest benchmarks/micro/test_micro.py": (
@@ -271,7 +276,9 @@ def run(cmd: str, cwd: Path, timeout: float = 900) -> str:
 
 
 def serve_and_ask(cmd: str, cwd: Path) -> None:
-    """Start ``molt serve`` on a free loopback port, wait until it lists its model, ask it once, stop it."""
+    """Start ``molt serve`` (``molt view``) on a free loopback port, wait until it lists its model (its runs), ask it
+    once, stop it."""
+    path, answer = ("/", "<h1>Runs</h1>") if cmd.startswith("molt view") else ("/v1/models", '"data"')
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -281,12 +288,12 @@ def serve_and_ask(cmd: str, cwd: Path) -> None:
         deadline, models = time.monotonic() + 300, None
         while models is None:
             assert server.poll() is None, f"`{cmd}` exited: {server.stdout.read()[-3000:]}"
-            assert time.monotonic() < deadline, f"`{cmd}` did not answer /v1/models within 300 s"
+            assert time.monotonic() < deadline, f"`{cmd}` did not answer {path} within 300 s"
             try:
-                models = urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5).read().decode()
+                models = urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5).read().decode()
             except OSError:
                 time.sleep(0.5)  # polling the server's readiness (the event), not waiting for a duration
-        assert '"data"' in models, models
+        assert answer in models, models
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=60)
