@@ -61,6 +61,7 @@ class RunTrace(L.Callback):
 
     # ----- hooks -----
     def on_train_start(self, trainer, pl_module) -> None:
+        self.path = None  # a callback used again: a run without a logger writes nothing (not into the last run's file)
         if trainer.global_rank != 0 or trainer.logger is None or not trainer.logger.log_dir:
             return
         self.path = Path(trainer.logger.log_dir) / self.filename
