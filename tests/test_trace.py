@@ -17,12 +17,12 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from molt_lightning.algorithms import Algorithm
 from molt_lightning.callbacks import Evaluate, RunTrace
+from molt_lightning.callbacks import trace
 from molt_lightning.callbacks.trace import FILENAME, read
 from molt_lightning.engines import TorchEngine
 from molt_lightning.tasks.arithmetic import calculator_agent, tasks
@@ -224,14 +224,14 @@ def test_a_resumed_run_appends_to_the_same_file_after_a_torn_member(run, tmp_pat
 
 @pytest.mark.slow
 def test_no_logger_no_file_and_a_reused_callback_does_not_write_into_its_last_run(tmp_path):
-    trace = RunTrace()
-    first = fit(module(), tmp_path / "logged", 1, [trace])
+    callback = RunTrace()
+    first = fit(module(), tmp_path / "logged", 1, [callback])
     path = Path(first.logger.log_dir) / FILENAME
     written = path.read_bytes()
     assert [e["type"] for e in read(path)[0]] == ["run", "step"]
 
-    trainer = fit(module(), tmp_path / "quiet", 1, [trace], logger=False)
-    assert trainer.global_step == 1 and trace in trainer.callbacks
+    trainer = fit(module(), tmp_path / "quiet", 1, [callback], logger=False)
+    assert trainer.global_step == 1 and callback in trainer.callbacks
     assert list(tmp_path.rglob(FILENAME)) == [path] and path.read_bytes() == written
 
     trainer = fit(module(), tmp_path / "default", 1, logger=False)
@@ -241,6 +241,13 @@ def test_no_logger_no_file_and_a_reused_callback_does_not_write_into_its_last_ru
 
 # ----- read: torn and garbled files -----
 
+@pytest.fixture(params=[5, "default"])
+def chunk(request, monkeypatch):
+    """``read`` feeds the decompressor a chunk at a time: members across chunks (5 bytes), and the default."""
+    if request.param != "default":
+        monkeypatch.setattr(trace, "READ_CHUNK", request.param)
+
+
 ENTRIES = [{"type": "run", "step": 0}, {"type": "step", "step": 0, "text": "x" * 300}, {"type": "step", "step": 1}]
 
 
@@ -249,18 +256,18 @@ def members(entries=ENTRIES) -> list[bytes]:
     return [gzip.compress((json.dumps(e) + "\n").encode(), compresslevel=6, mtime=0) for e in entries]
 
 
-def test_write_appends_one_member_per_entry_that_read_returns(tmp_path):
-    trace = RunTrace()
-    trace.path = tmp_path / FILENAME
+def test_write_appends_one_member_per_entry_that_read_returns(tmp_path, chunk):
+    writer = RunTrace()
+    writer.path = tmp_path / FILENAME
     for e in ENTRIES:
-        trace.write(e)
-    assert trace.path.read_bytes() == b"".join(members())
-    assert read(trace.path) == (ENTRIES, 0)
-    assert gzip.decompress(trace.path.read_bytes()).decode().splitlines() == [json.dumps(e) for e in ENTRIES]
+        writer.write(e)
+    assert writer.path.read_bytes() == b"".join(members())
+    assert read(writer.path) == (ENTRIES, 0)
+    assert gzip.decompress(writer.path.read_bytes()).decode().splitlines() == [json.dumps(e) for e in ENTRIES]
 
 
 @pytest.mark.parametrize("torn", [1, 2])
-def test_a_member_cut_at_any_byte_is_skipped_alone(tmp_path, torn):
+def test_a_member_cut_at_any_byte_is_skipped_alone(tmp_path, torn, chunk):
     """Member ``torn`` cut after each of its byte counts: the last one (a run killed mid-write) or the middle one
     followed by more (a resumed run appended after it): every other entry is read, one member skipped."""
     parts, path = members(), tmp_path / FILENAME
@@ -271,7 +278,7 @@ def test_a_member_cut_at_any_byte_is_skipped_alone(tmp_path, torn):
         assert read(path) == (want, 1 if keep else 0), keep
 
 
-def test_garbage_is_counted_never_raised(tmp_path):
+def test_garbage_is_counted_never_raised(tmp_path, chunk):
     parts, path, rng = members(), tmp_path / FILENAME, random.Random(0)
     junk = bytes(rng.randrange(256) for _ in range(500)).replace(b"\x1f\x8b", b"\x1f\x00")  # no false header
     for data, want in [

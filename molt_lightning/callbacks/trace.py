@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 FILENAME = "trace.jsonl.gz"
 FORMAT = 1
 MAGIC = b"\x1f\x8b\x08"  # a gzip member's first bytes
+READ_CHUNK = 1 << 14
 KIND_CODES = {Kind.PROMPT: 0, Kind.POLICY: 1, Kind.ENV: 2}
 
 
@@ -251,21 +252,22 @@ def _batch_groups(trajectories: list[Trajectory]) -> list[dict]:
 def read(path: str | os.PathLike) -> tuple[list[dict], int]:
     """The entries of a trace file and how many torn or unreadable members were skipped (a write cut short; a resumed
     run appends after it, so reading goes on at the next member's header)."""
-    data, entries, skipped = Path(path).read_bytes(), [], 0
-    while data:
-        d = zlib.decompressobj(wbits=31)
-        try:
-            text = d.decompress(data)
-            entry = json.loads(text) if d.eof else None  # not at eof: the member ends before its trailer (torn)
+    data, entries, skipped, at = Path(path).read_bytes(), [], 0, 0
+    view = memoryview(data)
+    while at < len(data):
+        d, text, end = zlib.decompressobj(wbits=31), [], at
+        try:  # fed a chunk at a time: what is left over is at most a chunk, not the rest of the file (time linear)
+            while not d.eof and end < len(data):
+                text.append(d.decompress(view[end:end + READ_CHUNK]))
+                end = min(end + READ_CHUNK, len(data))
+            entry = json.loads(b"".join(text)) if d.eof else None  # not at eof: the member ends before its trailer
         except (zlib.error, ValueError):
             entry = None
         if entry is None:
             skipped += 1
-            at = data.find(MAGIC, 1)
-            data = data[at:] if at > 0 else b""
+            at = data.find(MAGIC, at + 1)
+            at = at if at > 0 else len(data)
             continue
         entries.append(entry)
-        data = d.unused_data
+        at = end - len(d.unused_data)
     return entries, skipped
-
-
