@@ -44,7 +44,8 @@ def unlogged_root(trainer: dict) -> dict:
 
 
 DUPLICATES_NOTED = 0.25  # the summary names samples/duplicates from this share in the first steps up
-WRITTEN = ("metrics.csv", "eval.jsonl", "reward.png", "trace.jsonl.gz", "config.yaml", "molt.log", "checkpoints")  # named if there
+WRITTEN = ("metrics.csv", "eval.jsonl", "reward.png", "trace.jsonl.gz", "config.yaml", "molt.log",  # named if there
+           "checkpoints")
 
 
 def wants_quiet() -> bool:

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 FILENAME = "trace.jsonl.gz"
 FORMAT = 1
 MAGIC = b"\x1f\x8b\x08"  # a gzip member's first bytes
+READ_CHUNK = 1 << 14
 KIND_CODES = {Kind.PROMPT: 0, Kind.POLICY: 1, Kind.ENV: 2}
 
 
@@ -57,10 +58,11 @@ class RunTrace(L.Callback):
             raise ValueError("RunTrace: groups_per_step, outcasts_per_step and eval_samples must be >= 0")
         self.groups_per_step, self.outcasts_per_step = groups_per_step, outcasts_per_step
         self.eval_samples = eval_samples
-        self.filename, self.path, self._pieces, self._down = filename, None, {}, set()
+        self.filename, self.path, self._pieces, self._down, self._saved = filename, None, {}, set(), None
 
     # ----- hooks -----
     def on_train_start(self, trainer, pl_module) -> None:
+        self.path = None  # a callback used again: a run without a logger writes nothing (not into the last run's file)
         if trainer.global_rank != 0 or trainer.logger is None or not trainer.logger.log_dir:
             return
         self.path = Path(trainer.logger.log_dir) / self.filename
@@ -96,7 +98,7 @@ class RunTrace(L.Callback):
               for cause, traj in outcasts)])
         self._t = now
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    def on_fit_end(self, trainer, pl_module) -> None:  # after every callback's on_train_end (Evaluate's last round)
         if self.path is not None:
             self._events(trainer, pl_module, pl_module.policy_version - 1)
             self.close()
@@ -105,7 +107,8 @@ class RunTrace(L.Callback):
         self.close()
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        if self.path is not None:
+        if self.path is not None and self._saved != trainer.global_step:  # (save_last saves the step twice)
+            self._saved = trainer.global_step
             self.submit({"type": "checkpoint", "step": trainer.global_step - 1, "version": pl_module.policy_version,
                          "time": time.time()})
 
@@ -200,7 +203,8 @@ class RunTrace(L.Callback):
                     kinds = [KIND_CODES[s.kind] for s in seg for _ in s.token_ids]
                     policy = [k == 1 for k in kinds]
                     segment = {"tokens": input_ids[i][:n_tok], "text": self._text(input_ids[i][:n_tok], tokenizer),
-                               "kind": kinds, "trained": [None] + [bool(x) for x in trained[i][: n_tok - 1]]}
+                               "kind": kinds, "trained": [None] + [bool(x) if p else None
+                                                                  for x, p in zip(trained[i], policy[1:n_tok])]}
                     segment["version"] = [v if p else None for v, p in zip(cols["version"][i][:n_tok], policy)]
                     for name in per_pos:
                         if name in cols:
@@ -219,10 +223,20 @@ class RunTrace(L.Callback):
         return {**_summary(traj), "spans": spans}
 
     def _text(self, ids: list[int], tokenizer) -> list[str]:
-        """Each token's text piece (decoded once per id and kept)."""
+        """Each token's text piece (decoded once per id and kept); a character whose bytes span several tokens
+        (byte-level BPE: each alone decodes to U+FFFD) is given whole to its first token, "" to the others."""
         for i in set(ids) - self._pieces.keys():
             self._pieces[i] = tokenizer.decode([i])
-        return [self._pieces[i] for i in ids]
+        out, j = [self._pieces[i] for i in ids], 0
+        while j < len(out):
+            if "\ufffd" in out[j]:
+                k = next((k for k in range(j + 2, min(j + 4, len(ids)) + 1)
+                          if "\ufffd" not in tokenizer.decode(ids[j:k])), None)  # UTF-8: at most 4 bytes
+                if k is not None:
+                    out[j:k] = [tokenizer.decode(ids[j:k])] + [""] * (k - j - 1)
+                    j = k - 1
+            j += 1
+        return out
 
 
 def _summary(traj: Trajectory) -> dict:
@@ -254,22 +268,22 @@ def read(path: str | os.PathLike) -> tuple[list[dict], int]:
     return [e for e in got if e is not None], sum(e is None for e in got)
 
 
-def members(data: bytes | memoryview, start: int = 0, chunk: int = 1 << 16):
+def members(data: bytes, start: int = 0):
     """``(offset, end, entry)`` for each gzip member of ``data`` from ``start``: ``entry`` None for bytes that hold no
     readable entry (from ``offset`` to the next member's header, or to the end: a torn tail, or one being written)."""
     view, pos = memoryview(data), start
-    while pos < len(view):
-        d, fed, text = zlib.decompressobj(wbits=31), pos, b""
-        try:  # fed a chunk at a time: unused_data (a copy) stays small
-            while not d.eof and fed < len(view):
-                text += d.decompress(view[fed:fed + chunk])
-                fed = min(fed + chunk, len(view))
-            entry = json.loads(text) if d.eof else None  # not at eof: the member ends before its trailer (torn)
+    while pos < len(data):
+        d, text, fed = zlib.decompressobj(wbits=31), [], pos
+        try:  # fed a chunk at a time: what is left over is at most a chunk, not the rest of the file (time linear)
+            while not d.eof and fed < len(data):
+                text.append(d.decompress(view[fed:fed + READ_CHUNK]))
+                fed = min(fed + READ_CHUNK, len(data))
+            entry = json.loads(b"".join(text)) if d.eof else None  # not at eof: the member ends before its trailer
         except (zlib.error, ValueError):
             entry = None
         if entry is None:
-            at = bytes(view[pos + 1:]).find(MAGIC)
-            end = pos + 1 + at if at >= 0 else len(view)
+            at = data.find(MAGIC, pos + 1)
+            end = at if at > 0 else len(data)
         else:
             end = fed - len(d.unused_data)
         yield pos, end, entry
