@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 
 import pytest
 from starlette.testclient import TestClient
@@ -120,3 +121,14 @@ def test_search_filters_by_reward_status_and_text(run_dir):
     assert "4 of 8 recorded samples" in client.get("/run/0/samples?text=calc").text  # steps 0 and 2
     assert "2 of 8 recorded samples" in client.get("/run/0/samples?text=calc&min=0.5").text
     assert "0 of 8 recorded samples" in client.get("/run/0/samples?status=failed").text
+
+
+def test_a_folder_of_runs_stands_for_its_runs_and_bad_folders_are_refused(run_dir, tmp_path, capsys):
+    shutil.copytree(run_dir, run_dir.parent / "version_10")
+    (run_dir.parent / "version_2").mkdir()
+    (run_dir.parent / "version_2" / "metrics.csv").write_text("step,reward\n0,0.5\n")
+    page = TestClient(app([str(run_dir.parent)])).get("/").text
+    assert page.index("run/version_0") < page.index("run/version_2") < page.index("run/version_10")
+    with pytest.raises(SystemExit) as e:
+        molt(["view", str(tmp_path / "nope")])
+    assert e.value.code == 2 and "not a folder" in capsys.readouterr().err

@@ -15,6 +15,7 @@ import gzip
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,6 +215,23 @@ class Run:
 
     def outcast(self, i: int) -> dict | None:
         return self.trace.entry(tuple(self.trace.outcasts[i]["at"])) if 0 <= i < len(self.trace.outcasts) else None
+
+
+def expand(folders: list[str]) -> list[Run]:
+    """The runs of ``folders``: a folder that is no run itself but holds runs (``runs/default``: its ``version_N``;
+    a molt-bench folder of run sets) stands for them, in order."""
+    out = []
+    for folder in folders:
+        run = Run(folder)
+        inner = [Run(p) for p in sorted(run.path.iterdir(), key=_natural) if p.is_dir()] \
+            if run.kind == "none" and run.path.is_dir() else []
+        out += [r for r in inner if r.kind != "none"] or [run]
+    return out
+
+
+def _natural(path: Path) -> tuple:
+    """version_2 before version_10."""
+    return tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", path.name))
 
 
 def finite(x) -> float | None:

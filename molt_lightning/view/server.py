@@ -35,7 +35,7 @@ from starlette.responses import FileResponse, HTMLResponse, JSONResponse, PlainT
 from starlette.routing import Route
 
 from . import pages
-from .runs import Run
+from .runs import Run, expand
 
 HERE = Path(__file__).parent
 
@@ -53,7 +53,7 @@ STATIC = {"view.js": (HERE / "static" / "view.js", "text/javascript"),
 
 def app(folders: list[str], token: str | None = None) -> Starlette:
     """The viewer's ASGI app over ``folders`` (``token``: required of every request when given)."""
-    runs = [Run(f) for f in folders]
+    runs = expand(folders)
     env = Environment(loader=PackageLoader("molt_lightning.view"), autoescape=select_autoescape())
     env.filters["num"] = _num
 
