@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 import socket
 import threading
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -17,8 +19,8 @@ import pytest
 from molt_lightning.agents import Answer
 from molt_lightning.callbacks import RolloutSamples  # (imports Lightning: seconds, once, at collection)
 from molt_lightning.data.graders import VerifierFailed
-from molt_lightning.data.judge import (REFERENCE_RUBRIC, RUBRIC, Judge, JudgeFailed, instructions, parse_verdict,
-                                       verdict_spec)
+from molt_lightning.data.judge import (REFERENCE_RUBRIC, RUBRIC, Judge, JudgeFailed, check_judges, instructions,
+                                       parse_verdict, verdict_spec)
 
 DEADLINE_S = 30.0  # what a wait on the fake server may take at most (it answers in milliseconds)
 
@@ -26,11 +28,13 @@ DEADLINE_S = 30.0  # what a wait on the fake server may take at most (it answers
 class FakeJudgeServer:
     """``/v1/chat/completions`` and ``/v1/models`` on 127.0.0.1, in a thread of its own. Each chat request gets the
     next of ``replies`` (the last one repeats): a text (a 200 chat completion with that content), an int (that HTTP
-    status), ``"HANG"`` (no answer until the server stops), ``"GATE"`` (``Score: 6`` once ``open_gate`` is called)
-    or ``"NOT JSON"`` (a 200 that is no JSON). ``arrived`` is set at each request."""
+    status), ``"HANG"`` (no answer until the server stops), ``"GATE"`` (``Score: 6`` once ``open_gate`` is called),
+    ``"SLOW"`` (``Score: 6`` after ``slow_s``) or ``"NOT JSON"`` (a 200 that is no JSON). ``arrived`` is set at each
+    request; ``model_lists`` counts the ``/v1/models`` requests (each answered after ``models_s``)."""
 
-    def __init__(self, *replies):
+    def __init__(self, *replies, slow_s: float = 0.0, models_s: float = 0.0):
         self.replies, self.requests, self.headers = list(replies), [], []
+        self.slow_s, self.models_s, self.model_lists = slow_s, models_s, 0
         self._started, self._loop, self._release, self._gate = threading.Event(), None, None, None
         self.arrived = threading.Event()
 
@@ -64,17 +68,22 @@ class FakeJudgeServer:
             if reply == "GATE":
                 await self._gate.wait()
                 reply = "Score: 6"
+            if reply == "SLOW":  # a slow judge's latency, server side
+                await asyncio.sleep(self.slow_s)
+                reply = "Score: 6"
             if reply == "HANG":
                 await self._release.wait()
                 return web.Response(status=503)
             if reply == "NOT JSON":
                 return web.Response(text="<html>a proxy page</html>")
             if isinstance(reply, int):
-                return web.Response(status=reply, text="the judge is overloaded")
+                return web.Response(status=reply, text="invalid api key" if reply == 401 else "the judge is overloaded")
             return web.json_response({"object": "chat.completion", "choices": [
                 {"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}]})
 
         async def models(request):
+            self.model_lists += 1
+            await asyncio.sleep(self.models_s)
             return web.json_response({"object": "list", "data": [{"id": "judge-model", "object": "model"}]})
 
         app = web.Application()
@@ -111,6 +120,12 @@ def failure(coro) -> JudgeFailed:
     with pytest.raises(JudgeFailed) as e:
         run(coro)
     return e.value
+
+
+def closed_port() -> int:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # ----- the verdict parsers -----
@@ -217,11 +232,9 @@ def test_a_judge_that_does_not_answer_in_time_is_a_timeout():
 
 
 def test_a_judge_that_refuses_the_connection_is_an_http_error():
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = closed_port()
     e = failure(Judge(url=f"http://127.0.0.1:{port}", served_model="m").grade("Q", "R"))
-    assert e.kind == "http_error"
+    assert e.kind == "http_error" and f"127.0.0.1:{port}" in str(e)
 
 
 def test_identical_prompts_are_judged_once_and_different_ones_each():
@@ -351,6 +364,105 @@ def test_the_sample_log_keeps_the_agents_info(tmp_path):
     RolloutSamples(every_n_steps=1).on_train_batch_end(trainer, module, outputs, None, 0)
     [line] = [json.loads(x) for x in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
     assert line["info"]["judge"] == info["judge"] and line["info"]["odd"] == "{1, 2}" and line["sample_id"] == 3
+
+
+# ----- failures that explain themselves -----
+async def calculator_like(client, sample):  # an agent with no judge
+    return 1.0
+
+
+def test_a_wrong_url_or_key_fails_the_start_check_in_seconds_with_the_fix(monkeypatch):
+    port, t0 = closed_port(), time.monotonic()
+    with pytest.raises(JudgeFailed) as e:
+        check_judges(Answer(judge=Judge(url=f"http://127.0.0.1:{port}", served_model="m")))
+    assert time.monotonic() - t0 < 10  # refused: no wait for timeout_s (60 s)
+    assert e.value.kind == "http_error" and f"127.0.0.1:{port}" in str(e.value)
+    assert "did not answer a test question at the start of the run: check its url" in str(e.value)
+    again = pickle.loads(pickle.dumps(e.value))  # what reaches the other ranks
+    assert (again.kind, str(again)) == (e.value.kind, str(e.value))
+    monkeypatch.setenv("MOLT_TEST_JUDGE_KEY", "sk-wrong")
+    with FakeJudgeServer(401) as server, pytest.raises(JudgeFailed, match="HTTP 401") as e:
+        Judge(url=server.url, api_key_env="MOLT_TEST_JUDGE_KEY").check()
+    assert f":{server.port}/" in str(e.value) and "its key ($MOLT_TEST_JUDGE_KEY)" in str(e.value)
+    with FakeJudgeServer("Score: 7") as server:
+        judge = Judge(url=server.url)
+        assert check_judges(Answer(judge=judge), judge, calculator_like) == 1 and judge.served_model == "judge-model"
+        run(judge.grade("Q", "R"))
+    assert server.model_lists == 1 and len(server.requests) == 2  # the test question, then the grade
+    assert Judge(model=SimpleNamespace(name="judge", model="m")).check() is None  # an Auxiliary: at its first request
+
+
+def test_a_run_with_an_unreachable_judge_stops_before_the_policy_engine_starts(tmp_path):
+    import lightning as L
+
+    from molt_lightning import AsyncRLModule
+    from molt_lightning.engines import TorchEngine
+    from molt_lightning.tasks.arithmetic import tasks
+
+    class NeverLaunched(TorchEngine):
+        def launch(self, *args, **kwargs):
+            raise AssertionError("the policy engine started before the judge was asked")
+
+    module = AsyncRLModule(Answer(judge=Judge(url=f"http://127.0.0.1:{closed_port()}", served_model="m")), tasks,
+                           engine=NeverLaunched())
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    with pytest.raises(JudgeFailed, match="test question at the start of the run"):
+        trainer.fit(module)
+
+
+def test_a_wait_for_a_slot_is_bounded_and_named_apart():
+    with FakeJudgeServer("HANG") as server:
+        judge = Judge(url=server.url, served_model="m", max_in_flight=1, slot_timeout_s=0.2, timeout_s=DEADLINE_S)
+
+        async def grades():
+            hung = asyncio.create_task(judge.grade("Q", "R1"))  # holds the one slot
+            assert await asyncio.to_thread(server.arrived.wait, DEADLINE_S)
+            try:
+                with pytest.raises(JudgeFailed) as e:
+                    await judge.grade("Q", "R2")
+                return e.value
+            finally:
+                hung.cancel()
+
+        e = run(grades())
+    assert e.kind == "slot_timeout" and "waited 0.2 s for a free connection slot (1 in use), nothing sent" in str(e)
+    assert len(server.requests) == 1
+
+
+@pytest.mark.slow
+def test_timeout_s_counts_from_the_request_being_sent_not_from_the_wait_for_a_slot():
+    """400 grades at once through 16 slots: 14 calls hang, 4 answer in 1.8 s (inside timeout_s = 3 s), the others at
+    once. The last 2 slow ones are sent after the first 2 slow ones answered: counted from the grade's start, they
+    would pass 3 s; and none of the others waits out its timeout for a slot."""
+    replies = ["HANG"] * 14 + ["SLOW"] * 2 + ["Score: 6"] * 382 + ["SLOW"] * 2
+    with FakeJudgeServer(*replies, slow_s=1.8) as server:
+        judge = Judge(url=server.url, served_model="m", timeout_s=3)
+
+        async def grades():
+            return await asyncio.gather(*(judge.grade("Q", f"R{i}") for i in range(400)), return_exceptions=True)
+
+        t0 = time.monotonic()
+        outs = run(grades())
+        print(f"400 grades, 14 hung: {time.monotonic() - t0:.2f} s")
+    failed = [o for o in outs if isinstance(o, BaseException)]
+    assert len(server.requests) == 400  # every call was sent
+    assert len(failed) == 14, [str(f) for f in failed[:3]]
+    assert all(f.kind == "timeout" and "within 3 s of the request being sent" in str(f) for f in failed)
+    assert all(o.score == pytest.approx(0.6) for o in outs if not isinstance(o, BaseException))
+
+
+def test_one_model_list_request_serves_every_slot():
+    with FakeJudgeServer("Score: 6", models_s=0.2) as server:
+        judge = Judge(url=server.url)  # no served_model: the first of /v1/models
+
+        async def grades():
+            await asyncio.gather(*(judge.grade("Q", f"R{i}") for i in range(32)))
+            await judge.grade("Q", "once more")
+
+        run(grades())
+    assert server.model_lists == 1 and len(server.requests) == 33
+    assert {b["model"] for b in server.requests} == {"judge-model"}
 
 
 @pytest.mark.slow

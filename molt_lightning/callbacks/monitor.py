@@ -15,6 +15,10 @@ failures and timeouts this step (``<name>/requests``, ...). The
 step's wall time split on the trainer's side (``perf/trainer_idle_s`` waiting for rollouts, ``perf/train_compute_s``
 the gradient step, ``perf/weight_sync_s``, and ``perf/overhead_s`` / ``perf/overhead_frac``: everything else, i.e.
 collation, Lightning's loop, logging and callbacks, checkpoints).
+
+Before any of that, at the start of fit (before ``train_dataloader`` launches the policy engine), each judge of the
+agent at a URL (``data.judge.Judge.check``) answers a test question, so a wrong URL, key or model name fails the run
+in seconds, naming what to check, instead of failing every sample once the engine is up.
 """
 
 from __future__ import annotations
@@ -24,14 +28,26 @@ from dataclasses import fields
 
 import lightning as L
 
+from ..data.judge import check_judges
 from ..engines.auxiliary import Auxiliary
 from ..rollout.source import RolloutCounts
+from ..trainer import parallel
 from ..trajectory import repeats
 
 COUNTS = [f.name for f in fields(RolloutCounts) if f.type == "int" and f.name != "buffered_groups"]
 
 
 class RolloutMonitor(L.Callback):
+    def on_fit_start(self, trainer, pl_module) -> None:
+        failed = None
+        if trainer.global_rank == 0:  # rank 0 owns the rollout side; every rank raises what it found
+            try:
+                check_judges(pl_module.source.agent)
+            except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
+                failed = e
+        if (failed := parallel.broadcast(failed, trainer)) is not None:
+            raise failed
+
     def on_train_start(self, trainer, pl_module) -> None:
         # what came before this run is not new: a resumed run's counts, a shared engine's generated tokens
         self._last, self._counts = time.perf_counter(), pl_module.source.counts_now()

@@ -280,6 +280,7 @@ def main(args: list[str] | None = None) -> None:
         sys.exit(1)
     from ..callbacks.checkpoint import DiskFull
     from ..callbacks.runlog import QuietTerminal, quieted
+    from ..data.judge import JudgeFailed
     from ..engines import EngineUnavailable
     from ..module import AsyncRLModule
     from ..rollout.source import RolloutFailures, RolloutStopped
@@ -291,8 +292,9 @@ def main(args: list[str] | None = None) -> None:
                             args=args, parser_kwargs={"prog": "molt"},  # also under python -m ...commands.cli
                             auto_configure_optimizers=False)
     # SIGTERM while waiting for rollouts (the engine is shut down by now: exit 143); the failure breaker; remote
-    # engines gone or not answering; a checkpoint that did not fit (the earlier ones are intact): one line each
-    except (RolloutStopped, RolloutFailures, EngineUnavailable, DiskFull, MissingExtra) as e:
+    # engines gone or not answering; a checkpoint that did not fit (the earlier ones are intact); a judge that did not
+    # answer its test question at the start: one line each
+    except (RolloutStopped, RolloutFailures, EngineUnavailable, DiskFull, MissingExtra, JudgeFailed) as e:
         print(f"molt: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         sys.exit(128 + 15 if isinstance(e, RolloutStopped) else 1)
     except Exception as e:  # a collective's peer on another node gone; a vLLM engine that died: the cause, last

@@ -13,12 +13,18 @@ The judge model is either an ``engines.Auxiliary`` (a frozen model on an engine 
 request; the prompt rendered by its chat template) or any OpenAI-compatible chat-completions server (``url``: a
 ``molt serve`` server, vLLM, an API; its key read from the environment variable ``api_key_env``).
 
+Calls: at most ``max_in_flight`` at once, each waiting at most ``slot_timeout_s`` for a slot, then ``timeout_s`` from
+being sent; without ``served_model``, one ``/v1/models`` request (shared by every caller) names the model. ``check``
+asks a test question; ``callbacks.RolloutMonitor`` calls it before the policy engine starts, so a wrong URL, key or
+model name fails a run in seconds.
+
 Failures are ``JudgeFailed`` (a ``VerifierFailed``: the agent fails that sample, counted, never trained on; never a
-silent 0), with a ``kind``: ``timeout`` (no answer within ``timeout_s``), ``http_error`` (a refused connection, a
-non-200 answer, a body that is no chat completion), ``engine_error`` (the auxiliary engine raised), ``unparsable``
-(no verdict in the reply), ``out_of_range`` (a score outside [LO, HI]), ``no_reference`` (the template names
-``{reference}`` and the sample has none). ``samples > 1`` asks that many times (seeds 0, 1, ...; temperature > 0) and
-averages the verdicts that parse; it fails only when none does.
+silent 0; its message names the URL, port, model and status), with a ``kind``: ``timeout`` (no answer within
+``timeout_s`` of being sent), ``slot_timeout`` (no free slot within ``slot_timeout_s``: nothing sent),
+``http_error`` (a refused connection, a non-200 answer, a body that is no chat completion), ``engine_error`` (the
+auxiliary engine raised), ``unparsable`` (no verdict in the reply), ``out_of_range`` (a score outside [LO, HI]),
+``no_reference`` (the template names ``{reference}`` and the sample has none). ``samples > 1`` asks that many times
+(seeds 0, 1, ...; temperature > 0) and averages the verdicts that parse; it fails only when none does.
 
 Identical prompts, in flight or recently judged, are judged once: an LRU of the judging tasks keyed by the filled
 prompt (``cache_size`` of them); a failure is forgotten once it settles, so the next request asks again.
@@ -39,6 +45,8 @@ import string
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache, partial
 
@@ -46,7 +54,7 @@ from ..engines.auxiliary import Auxiliary, AuxiliaryFailed
 from ..engines.base import Sampling
 from .graders import VerifierFailed
 
-KINDS = ("timeout", "http_error", "engine_error", "unparsable", "out_of_range", "no_reference")
+KINDS = ("timeout", "slot_timeout", "http_error", "engine_error", "unparsable", "out_of_range", "no_reference")
 FIELDS = ("question", "response", "reference", "format")
 _NUM = r"-?\d+(?:\.\d+)?"
 _FREE = rf"(?<![\w.]){_NUM}"  # a number of its own: not the 2 of v2, not the -8 of 7-8
@@ -85,6 +93,9 @@ class JudgeFailed(VerifierFailed):
     def __init__(self, kind: str, message: str, prompt: str | None = None, raw: list[str] | None = None):
         super().__init__(f"judge {kind}: {message}")
         self.kind, self.detail, self.prompt, self.raw = kind, message, prompt, raw or []
+
+    def __reduce__(self):  # pickled whole (a broadcast to other ranks), not as JudgeFailed(str(self))
+        return JudgeFailed, (self.kind, self.detail, self.prompt, self.raw)
 
 
 @dataclass
@@ -175,19 +186,22 @@ class Judge:
     def __init__(self, model: Auxiliary | None = None, url: str | None = None, served_model: str | None = None,
                  api_key_env: str | None = None, template: str | None = None, system: str | None = None,
                  verdict: str = "score:0-10", samples: int = 1, temperature: float = 0.0, max_tokens: int = 64,
-                 timeout_s: float = 60.0, max_in_flight: int = 16, cache_size: int = 4096):
+                 timeout_s: float = 60.0, max_in_flight: int = 16, slot_timeout_s: float = 300.0,
+                 cache_size: int = 4096):
         """``model``: an ``Auxiliary`` serving the judge, or ``url``: an OpenAI-compatible server (``http://host:port``
         or ``.../v1``) asked for ``served_model`` (None: the first of its ``/v1/models``), with the key in the
         environment variable ``api_key_env``; ``template``: a format string over ``{question}``, ``{response}``,
         ``{reference}`` and ``{format}`` (the verdict's instructions), literal braces as ``{{ }}`` (None: ``RUBRIC``,
-        or ``REFERENCE_RUBRIC`` for a sample with a reference); ``system``: a system message put first."""
+        or ``REFERENCE_RUBRIC`` for a sample with a reference); ``system``: a system message put first;
+        ``max_in_flight``, ``slot_timeout_s``, ``timeout_s``: the calls' limits (the module docstring)."""
         if (model is None) == (url is None):
             raise ValueError("Judge: give exactly one of model (an Auxiliary serving the judge) and url (an "
                              f"OpenAI-compatible server), got model={model!r}, url={url!r}")
-        if samples < 1 or max_tokens < 1 or timeout_s <= 0 or max_in_flight < 1 or cache_size < 0 or temperature < 0:
-            raise ValueError("Judge: samples, max_tokens and max_in_flight must be >= 1, timeout_s > 0, cache_size "
-                             f"and temperature >= 0; got {samples}, {max_tokens}, {max_in_flight}, {timeout_s}, "
-                             f"{cache_size}, {temperature}")
+        if (samples < 1 or max_tokens < 1 or timeout_s <= 0 or slot_timeout_s <= 0 or max_in_flight < 1
+                or cache_size < 0 or temperature < 0):
+            raise ValueError("Judge: samples, max_tokens and max_in_flight must be >= 1, timeout_s and slot_timeout_s "
+                             f"> 0, cache_size and temperature >= 0; got {samples}, {max_tokens}, {max_in_flight}, "
+                             f"{timeout_s}, {slot_timeout_s}, {cache_size}, {temperature}")
         if samples > 1 and temperature == 0:
             raise ValueError(f"Judge: samples={samples} at temperature 0 would ask the same greedy question "
                              f"{samples} times: set temperature > 0 (e.g. 0.7) or samples: 1")
@@ -203,19 +217,39 @@ class Judge:
         self.model, self.url, self.served_model, self.api_key_env = model, url, served_model, api_key_env
         self.template, self.system, self.verdict, self.samples = template, system, verdict, samples
         self.temperature, self.max_tokens, self.timeout_s = temperature, max_tokens, timeout_s
-        self.max_in_flight, self.cache_size = max_in_flight, cache_size
+        self.max_in_flight, self.slot_timeout_s, self.cache_size = max_in_flight, slot_timeout_s, cache_size
         self._needs_reference = "reference" in names
+        self._system = [{"role": "system", "content": system}] if system else []
         self.endpoint, self.models_url = _endpoints(url) if url else (None, None)
         self._cache: OrderedDict[str, tuple] = OrderedDict()  # prompt -> (loop, task judging it)
         self._lock = threading.Lock()
         self._slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its semaphore
+        self._listing: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its /v1/models task
 
     def __repr__(self) -> str:
         return f"Judge({self.where}, verdict={self.verdict!r}, samples={self.samples})"
 
     @property
-    def where(self) -> str:
-        return self.endpoint if self.model is None else f"{self.model.name} ({self.model.model})"
+    def where(self) -> str:  # in every failure's message
+        model = f" (model {self.served_model})" if self.served_model else ""
+        return self.endpoint + model if self.model is None else f"{self.model.name} ({self.model.model})"
+
+    def check(self) -> str | None:
+        """Ask a judge behind a URL one test question now, in an event loop of its own (at the start of a run, before
+        the policy engine: ``callbacks.RolloutMonitor``): its reply, or ``JudgeFailed`` with what to check. A judge on
+        an ``Auxiliary`` is not asked: it starts at its first request, once the policy engine has taken its memory."""
+        if self.model is not None:
+            return None
+        ask = self._ask(self._system + [{"role": "user", "content": self.prompt("What is 2 + 2?", "4", "4")}], 0)
+        try:
+            with ThreadPoolExecutor(1) as pool:  # a fresh loop, whether or not one runs on this thread
+                return pool.submit(asyncio.run, ask).result()
+        except JudgeFailed as e:
+            key = f"${self.api_key_env}" if self.api_key_env else "none sent: set api_key_env"
+            raise JudgeFailed(e.kind, f"{e.detail}. The judge did not answer a test question at the start of the run: "
+                              f"check its url ({self.url}: an OpenAI-compatible server), its key ({key}), the model "
+                              f"name it serves (served_model: {self.served_model or 'the first of /v1/models'}) and "
+                              f"timeout_s ({self.timeout_s:g} s)") from None
 
     def prompt(self, question: str, response: str, reference: str | None = None) -> str:
         """The filled template; ``JudgeFailed`` (``no_reference``) when it names ``{reference}`` and there is none."""
@@ -253,8 +287,7 @@ class Judge:
                     del self._cache[prompt]
 
     async def _judge(self, prompt: str) -> JudgeVerdict:
-        messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
-            {"role": "user", "content": prompt}]
+        messages = self._system + [{"role": "user", "content": prompt}]
         outs = await asyncio.gather(*(self._ask(messages, seed) for seed in range(self.samples)),
                                     return_exceptions=True)
         raw, scores, failures = [], [], []
@@ -276,16 +309,27 @@ class Judge:
         return JudgeVerdict(sum(scores) / len(scores), prompt, raw, False, scores, [f.kind for f in failures])
 
     async def _ask(self, messages: list[dict], seed: int) -> str:
-        """One judge call's reply; the deadline counts from the call's start (a wait for a slot included)."""
+        """One judge call's reply: a wait of at most ``slot_timeout_s`` for one of the ``max_in_flight`` slots, then
+        ``timeout_s`` from the request being sent (the model list, if asked for, included)."""
         loop = asyncio.get_running_loop()
         slots = self._slots.setdefault(loop, asyncio.Semaphore(self.max_in_flight))
         try:
-            async with asyncio.timeout(self.timeout_s), slots:
+            await asyncio.wait_for(slots.acquire(), self.slot_timeout_s)
+        except TimeoutError:
+            raise JudgeFailed("slot_timeout", f"{self.where}: waited {self.slot_timeout_s:g} s for a free connection "
+                              f"slot ({self.max_in_flight} in use), nothing sent: the judge answers slower than the "
+                              "run asks; raise its max_in_flight (if the server takes more at once) or slot_timeout_s, "
+                              "or give it a faster server") from None
+        try:
+            async with asyncio.timeout(self.timeout_s):
                 return await (self._ask_url(messages, seed) if self.model is None else
                               self._ask_engine(messages, seed))
         except TimeoutError:
-            raise JudgeFailed("timeout", f"{self.where} did not answer within {self.timeout_s} s: raise the judge's "
-                              "timeout_s, lower its max_tokens, or give it a faster server") from None
+            raise JudgeFailed("timeout", f"{self.where} did not answer within {self.timeout_s:g} s of the request "
+                              "being sent: raise the judge's timeout_s, lower its max_tokens, or give it a faster "
+                              "server") from None
+        finally:
+            slots.release()
 
     async def _ask_engine(self, messages: list[dict], seed: int) -> str:
         aux = self.model
@@ -303,24 +347,47 @@ class Judge:
             raise JudgeFailed("engine_error", f"{self.where}: {type(e).__name__}: {e}") from e
 
     async def _ask_url(self, messages: list[dict], seed: int) -> str:
+        body = {"model": await self._served(), "messages": messages, "max_tokens": self.max_tokens,
+                "temperature": self.temperature, "seed": seed}
+        content = await self._http(self.endpoint, body, lambda out: out["choices"][0]["message"]["content"])
+        return "" if content is None else str(content)
+
+    async def _served(self) -> str:
+        """``served_model``, else the first of ``/v1/models``: asked once, every caller awaiting the one request in
+        flight on its loop (a failed one is asked again by the next caller); the answer kept."""
+        if self.served_model is None:
+            listing = self._listing.get(loop := asyncio.get_running_loop())
+            if listing is None or _failed(listing):
+                first = self._http(self.models_url, None, lambda out: str(out["data"][0]["id"]))
+                listing = self._listing[loop] = loop.create_task(asyncio.wait_for(first, self.timeout_s))
+            served = await asyncio.shield(listing)  # a caller that gives up does not cancel the others' request
+            self.served_model = self.served_model or served
+        return self.served_model
+
+    async def _http(self, url: str, body: dict | None, read: Callable):
+        """``read`` of the JSON answer to a GET (``body`` None) or a POST; ``JudgeFailed`` (``http_error``) naming the
+        URL, the model and the status."""
         import aiohttp
 
+        who = url + (f" (model {body['model']})" if body else "")
         headers = {"Authorization": f"Bearer {os.environ.get(self.api_key_env, '')}"} if self.api_key_env else {}
         try:
             async with aiohttp.ClientSession(headers=headers) as session:
-                if self.served_model is None:
-                    async with session.get(self.models_url) as r:
-                        self.served_model = _body(r.status, await r.text(), self.models_url)["data"][0]["id"]
-                body = {"model": self.served_model, "messages": messages, "max_tokens": self.max_tokens,
-                        "temperature": self.temperature, "seed": seed}
-                async with session.post(self.endpoint, json=body) as r:
-                    content = _body(r.status, await r.text(), self.endpoint)["choices"][0]["message"]["content"]
+                async with session.request("GET" if body is None else "POST", url, json=body) as r:
+                    return read(_body(r.status, await r.text(), who))
         except aiohttp.ClientError as e:
-            raise JudgeFailed("http_error", f"{self.where}: {type(e).__name__}: {e}") from e
+            raise JudgeFailed("http_error", f"{who}: {type(e).__name__}: {e}") from e
         except (KeyError, IndexError, TypeError) as e:
-            raise JudgeFailed("http_error", f"{self.where} answered something other than the OpenAI shape "
+            raise JudgeFailed("http_error", f"{who} answered something other than the OpenAI shape "
                               f"({type(e).__name__}: {e})") from e
-        return "" if content is None else str(content)
+
+
+def check_judges(*holders) -> int:
+    """``Judge.check`` on each judge among ``holders`` and their attributes (an ``Answer``'s ``judge``); how many."""
+    judges = {id(j): j for h in holders for j in (h, *getattr(h, "__dict__", {}).values()) if isinstance(j, Judge)}
+    for judge in judges.values():
+        judge.check()
+    return len(judges)
 
 
 def _body(status: int, text: str, where: str):
