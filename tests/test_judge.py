@@ -367,6 +367,41 @@ def test_the_sample_log_keeps_the_agents_info(tmp_path):
 
 
 # ----- failures that explain themselves -----
+def breaker_message(reasons: list[str]) -> str:
+    """The failure breaker's stop message (``rollout.source``) after a window of agent runs failed with ``reasons``
+    (in turn)."""
+    from molt_lightning.config import Rollout
+    from molt_lightning.rollout.source import RolloutSource
+
+    source = RolloutSource(Answer(), lambda seed: iter(()), Rollout(group_size=2, prompts_per_step=2))
+    for i in range(source.failure_window):
+        source._recent.append(reasons[i % len(reasons)])
+    source._breaker()
+    return str(source._error)
+
+
+def test_a_401_keeps_its_status_port_and_model_and_the_stop_message_names_the_judge(monkeypatch):
+    monkeypatch.setenv("MOLT_TEST_JUDGE_KEY", "sk-wrong")
+    with FakeJudgeServer(401) as server:
+        judge = Judge(url=server.url, served_model="m", api_key_env="MOLT_TEST_JUDGE_KEY")
+        e = failure(Answer(judge=judge)(FakeClient("12"), SAMPLE))
+    assert e.kind == "http_error" and "HTTP 401: invalid api key" in str(e)
+    assert f"{server.url}/v1/chat/completions (model m)" in str(e)
+    judged = f"agent raised {type(e).__name__}: {e}"  # as rollout.agent_run words an agent run that raised
+    overflow = "agent raised ContextOverflow: segment of 300 tokens + max_tokens 64 exceeds max_context 256"
+    stop = breaker_message([judged] * 3 + [overflow])  # the judge's failures are the most frequent
+    assert "JudgeFailed: judge http_error: http://N.N:N/vN/chat/completions (model m) answered HTTP N" in stop
+    assert f"(e.g. 'agent raised JudgeFailed: judge http_error: {server.url}/v1/chat/completions (model m) " \
+           "answered HTTP 401: invalid api key')" in stop  # each kind beside a real one, numbers kept
+    assert "exceeds max_context 256" in stop
+    assert f"the judge at {server.url}/v1/chat/completions is what fails: check its url, its key" in stop
+    assert "max_context)" not in stop and "served_model" in stop and "timeout_s" in stop
+    stop = breaker_message([overflow] * 3 + [judged])  # a short context first: its own fix
+    assert "raise model.rollout.max_context" in stop and "is what fails" not in stop and "HTTP 401" in stop
+    unparsable = f"agent raised JudgeFailed: {JudgeFailed('unparsable', 'no score in the judge reply')}"
+    assert "the judge answers without a verdict" in breaker_message([unparsable])
+
+
 async def calculator_like(client, sample):  # an agent with no judge
     return 1.0
 

@@ -10,9 +10,10 @@ the rest of their group still is. A group with no usable sample is dropped, coun
 Each kind of failure is logged a few times, then at every power of ten (the counts are exact either way).
 The failure breaker: when more than ``max_failure_rate`` of the last ``failure_window`` agent runs failed, the
 source stops admitting groups and the trainer's next wait raises ``RolloutFailures`` with the most frequent
-reasons, so a recipe that makes every agent fail (a context too short, a broken tool) stops within one window instead
-of cycling through the task stream. ``should_stop`` (the module passes "SIGTERM received") ends a wait for rollouts
-within a second, raising ``RolloutStopped``.
+reasons (each with a real one, numbers kept) and a fix fitting the first (a failing judge: its address), so a
+recipe that makes every agent fail (a context too short, a broken tool, a judge's wrong key) stops within one window
+instead of cycling through the task stream. ``should_stop`` (the module passes "SIGTERM received") ends a wait for
+rollouts within a second, raising ``RolloutStopped``.
 
 Dynamic sampling (DAPO): an optional ``group_filter(rewards) -> keep?`` sees every completed group's usable rewards;
 a rejected group is dropped and counted, its prompt is done, and its admission slot opens for a new prompt, so
@@ -112,7 +113,7 @@ class RolloutSource:
         self._ready: list[tuple[int, Group]] = []  # complete groups, keyed by the order they started
         self._running, self._trainer_waits = 0, False  # groups started, not complete; the trainer waits for a batch
         self._error, self._rejected_in_a_row = None, 0  # _error: what stopped the producer
-        self._recent: deque[str | None] = deque(maxlen=self.failure_window)  # None: ok, else the failure kind
+        self._recent: deque[str | None] = deque(maxlen=self.failure_window)  # None: ok, else why it failed
         self._failure_kinds, self._tasks = Counter(), set()  # failures per kind; the running groups' tasks
         self._stopping, self._switch_s = False, None
         self.outcasts: deque[tuple[str, Trajectory]] = deque(maxlen=OUTCASTS)  # (cause, sample) not trained on
@@ -295,7 +296,7 @@ class RolloutSource:
                 if t.status == Status.TRUNCATED and t.truncation is not None:
                     self.counts.truncated_by[t.truncation.value] += 1
                 self.counts.failed += t.status == Status.FAILED
-                self._recent.append(_kind(t.reason) if t.status == Status.FAILED else None)
+                self._recent.append((t.reason or "unknown") if t.status == Status.FAILED else None)
                 if t.status == Status.FAILED:
                     self.outcasts.append(("failed", t))
             self._breaker()
@@ -316,17 +317,18 @@ class RolloutSource:
 
     def _breaker(self) -> None:
         """Under ``self._cond``: trip when the failed share of the last ``failure_window`` runs passes the limit."""
-        failed = [k for k in self._recent if k is not None]
+        failed = [r for r in self._recent if r is not None]
         limit = self.rollout.max_failure_rate
         if len(self._recent) < self.failure_window or len(failed) <= limit * self.failure_window:
             return
         if self._error is None:
-            top = "; ".join(f"{n}x {k}" for k, n in Counter(failed).most_common(3))
+            kinds, example = Counter(map(_kind, failed)), {_kind(r): r for r in failed}  # the latest of each kind
+            top = "; ".join(f"{n}x {k} (e.g. {_short(example[k])!r})" for k, n in kinds.most_common(3))
+            first = kinds.most_common(1)[0][0]
             self._error = RolloutFailures(
                 f"{len(failed)} of the last {self.failure_window} agent runs failed (more than {limit:.0%}), so the "
                 f"run stops instead of cycling through the task stream. Most frequent reasons: {top}. Fix the cause "
-                "(e.g. raise model.rollout.max_context, fix the agent or its tool), or set "
-                "model.rollout.max_failure_rate (1 turns this check off).")
+                f"({_fix(first, example[first])}), or set model.rollout.max_failure_rate (1 turns this check off).")
             log.error("%s", self._error)
 
     def _reject(self, prompt: int, usable: Group) -> None:
@@ -360,5 +362,21 @@ class RolloutSource:
 
 
 def _kind(reason: str | None) -> str:
-    """A failure reason with its numbers blanked, to count failures of one kind together."""
+    """A failure reason with its numbers blanked, to count failures of one kind together (the breaker's message
+    shows a real reason of each kind beside it: the status, the URL and the port are in there)."""
     return re.sub(r"\d+(\.\d+)?", "N", reason or "unknown")[:160]
+
+
+def _short(reason: str, n: int = 300) -> str:
+    return reason if len(reason) <= n else reason[:n] + "..."
+
+
+def _fix(kind: str, example: str) -> str:
+    """What to fix when ``kind`` (``example``: one of its reasons) is the most frequent failure."""
+    if "JudgeFailed" not in kind:
+        return "e.g. raise model.rollout.max_context, fix the agent or its tool"
+    if re.search(r"judge (unparsable|out_of_range|no_reference)", kind):
+        return "the judge answers without a verdict: check its verdict, template and max_tokens"
+    url = re.search(r"https?://[^\s)]+", example)
+    where = f"the judge at {url[0].rstrip(':,.')}" if url else "the judge"
+    return f"{where} is what fails: check its url, its key (api_key_env), its served_model name and timeout_s"
