@@ -311,15 +311,14 @@ class Judge:
     async def _ask(self, messages: list[dict], seed: int) -> str:
         """One judge call's reply: a wait of at most ``slot_timeout_s`` for one of the ``max_in_flight`` slots, then
         ``timeout_s`` from the request being sent (the model list, if asked for, included)."""
-        loop = asyncio.get_running_loop()
-        slots = self._slots.setdefault(loop, asyncio.Semaphore(self.max_in_flight))
+        slots = self._slots.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(self.max_in_flight))
         try:
-            await asyncio.wait_for(slots.acquire(), self.slot_timeout_s)
+            async with asyncio.timeout(self.slot_timeout_s):  # in this task: a cancelled wait never keeps a slot
+                await slots.acquire()
         except TimeoutError:
             raise JudgeFailed("slot_timeout", f"{self.where}: waited {self.slot_timeout_s:g} s for a free connection "
-                              f"slot ({self.max_in_flight} in use), nothing sent: the judge answers slower than the "
-                              "run asks; raise its max_in_flight (if the server takes more at once) or slot_timeout_s, "
-                              "or give it a faster server") from None
+                              f"slot ({self.max_in_flight} in use), nothing sent: raise the judge's max_in_flight (if "
+                              "the server takes more at once) or slot_timeout_s, or give it a faster server") from None
         try:
             async with asyncio.timeout(self.timeout_s):
                 return await (self._ask_url(messages, seed) if self.model is None else
@@ -365,18 +364,22 @@ class Judge:
         return self.served_model
 
     async def _http(self, url: str, body: dict | None, read: Callable):
-        """``read`` of the JSON answer to a GET (``body`` None) or a POST; ``JudgeFailed`` (``http_error``) naming the
-        URL, the model and the status."""
+        """``read`` of the JSON answer to a GET (``body`` None) or a POST; ``http_error`` names URL, model, status."""
         import aiohttp
 
-        who = url + (f" (model {body['model']})" if body else "")
+        who, text = url + (f" (model {body['model']})" if body else ""), ""
         headers = {"Authorization": f"Bearer {os.environ.get(self.api_key_env, '')}"} if self.api_key_env else {}
         try:
             async with aiohttp.ClientSession(headers=headers) as session:
                 async with session.request("GET" if body is None else "POST", url, json=body) as r:
-                    return read(_body(r.status, await r.text(), who))
+                    status, text = r.status, await r.text()
+            if status != 200:
+                raise JudgeFailed("http_error", f"{who} answered HTTP {status}: {_short(text)}")
+            return read(json.loads(text))
         except aiohttp.ClientError as e:
             raise JudgeFailed("http_error", f"{who}: {type(e).__name__}: {e}") from e
+        except ValueError:
+            raise JudgeFailed("http_error", f"{who} answered no JSON: {_short(text)!r}") from None
         except (KeyError, IndexError, TypeError) as e:
             raise JudgeFailed("http_error", f"{who} answered something other than the OpenAI shape "
                               f"({type(e).__name__}: {e})") from e
@@ -385,18 +388,7 @@ class Judge:
 def check_judges(*holders) -> int:
     """``Judge.check`` on each judge among ``holders`` and their attributes (an ``Answer``'s ``judge``); how many."""
     judges = {id(j): j for h in holders for j in (h, *getattr(h, "__dict__", {}).values()) if isinstance(j, Judge)}
-    for judge in judges.values():
-        judge.check()
-    return len(judges)
-
-
-def _body(status: int, text: str, where: str):
-    if status != 200:
-        raise JudgeFailed("http_error", f"{where} answered HTTP {status}: {_short(text)}")
-    try:
-        return json.loads(text)
-    except ValueError:
-        raise JudgeFailed("http_error", f"{where} answered no JSON: {_short(text)!r}") from None
+    return len([judge.check() for judge in judges.values()])
 
 
 def _endpoints(url: str) -> tuple[str, str]:
