@@ -217,12 +217,15 @@ class _Capture:
 
     async def pump(self, stream: asyncio.StreamReader) -> None:
         while chunk := await stream.read(1 << 16):
-            room = max(self.keep - len(self.head), 0)
-            self.head += chunk[:room]
-            self.tail += chunk[room:]
-            if len(self.tail) > self.keep:
-                self.dropped += len(self.tail) - self.keep
-                del self.tail[:-self.keep]
+            self.add(chunk)
+
+    def add(self, chunk: bytes) -> None:
+        room = max(self.keep - len(self.head), 0)
+        self.head += chunk[:room]
+        self.tail += chunk[room:]
+        if len(self.tail) > self.keep:
+            self.dropped += len(self.tail) - self.keep
+            del self.tail[:-self.keep]
 
     def text(self, limit: int) -> str:
         if self.dropped:

@@ -18,7 +18,9 @@ network; a clean environment (PATH, HOME=work dir, LANG=C.UTF-8, TERM=dumb, the 
   unshare --net --pid --ipc --uts --mount-proc``: no network, only its own processes in /proc, no setuid gains, nothing
   outlives a command; buildah adds its seccomp filter. Commands run as a fresh unprivileged uid owning the work dir and
   /logs (root escapes RLIMIT_NPROC); else only /tmp and /dev/shm are writable. Limits: ``buildah from --ulimit`` nproc,
-  fsize, core and (no ``as`` there) RLIMIT_DATA; no cgroups (``--memory``) under chroot. About 0.15 s a command.
+  fsize, core and (no ``as`` there) RLIMIT_DATA; no cgroups (``--memory``) under chroot. A command's output comes
+  through a FIFO of the session, bound in read-only at /.molt-io, not through ``buildah run``'s stdout, which under
+  load lost output (``_exec``). About 0.15 s a command.
 
 Neither limits disk use (only each file's size), CPU beyond the deadlines, page cache or tmpfs (buildah's /dev/shm).
 Written by hand: no maintained library makes per-episode sandboxes on bwrap or buildah (launcher, capture: sandbox.py).
@@ -51,6 +53,7 @@ _VERSION = "molt-shell-1"  # part of every cache key
 _IGNORED = {"FROM", "LABEL", "EXPOSE", "CMD", "ENTRYPOINT", "MAINTAINER", "HEALTHCHECK", "STOPSIGNAL", "VOLUME"}
 _NOISE = re.compile(r"(^(subprocess exited (with status \d+|on \w+)|Error: exit status \d+)\n?)+\Z", re.M)  # buildah's
 _STAGE = "/.molt-stage"  # where what is copied in is bound, read-only
+_FIFOS = "/.molt-io"  # buildah: where the session's FIFOs are bound, read-only
 _LAUNCH = "import signal\n[signal.signal(s, signal.SIG_DFL) for s in (signal.SIGPIPE, signal.SIGXFSZ)]" + _LAUNCHER
 _FIX = "is not supported by BubblewrapBackend: use BuildahBackend for this task"
 
@@ -96,9 +99,9 @@ class ShellSession:
         if left <= 0:
             result = ShellResult("[episode deadline passed: not run]", None, True, 0.0)
         else:
-            rc, timed_out = await _spawn(self._argv(["/bin/bash", "-c", command]),
-                                         min(timeout_s or self.backend.command_timeout_s, left), capture,
-                                         procs=self._procs)
+            rc, timed_out, said = await self._exec(["/bin/bash", "-c", command],
+                                                   min(timeout_s or self.backend.command_timeout_s, left), capture)
+            capture.add(said)  # the backend's own words (buildah's) after the command's output
             result = ShellResult(_NOISE.sub("", _clip(capture, self.backend.max_output)), rc, timed_out,
                                  time.monotonic() - start)
         self.commands.append({"command": command, **asdict(result), "seconds": round(result.seconds, 3)})
@@ -107,8 +110,13 @@ class ShellSession:
     async def read(self, path: str) -> bytes | None:
         """The file at absolute ``path`` inside, read as the sandbox's user (links resolve inside), or None."""
         script, capture = '[ -f "$1" ] || exit 66; exec cat -- "$1"', _Capture(1 << 62)  # keeps it all
-        rc, _ = await _spawn(self._argv(["/bin/bash", "-c", script, "_", path]), 600, capture, procs=self._procs)
+        rc, _, _ = await self._exec(["/bin/bash", "-c", script, "_", path], 600, capture)
         return bytes(capture.head) if rc == 0 else None
+
+    async def _exec(self, program: list[str], timeout: float, capture: _Capture) -> tuple[int | None, bool, bytes]:
+        """Run ``program`` inside, its stdout and stderr into ``capture``: (exit code, timed out, the backend's own
+        words on its stderr, where they come apart)."""
+        return *await _spawn(self._argv(program), timeout, capture, procs=self._procs), b""
 
     async def close(self) -> None:
         """Kill whatever still runs, throw the episode away; idempotent."""
@@ -263,23 +271,49 @@ class BuildahBackend:
             raise RuntimeError(f"buildah from {prepared.image} failed: {made.stderr.strip()[-2000:]}")
         session, capture = _BuildahSession(self, name, prepared.workdir, _uid(True), episode_timeout_s), _Capture(4096)
         setup = 'mkdir -p -- "$1" /logs/verifier /logs/agent && chown -R -- "$2" "$1" /logs'  # as root, for the user
-        argv = session._argv(["/bin/bash", "-c", setup, "_", session.workdir, f"{session.uid}:{session.uid}"], False)
-        if (rc := (await _spawn(argv, self.prepare_timeout_s, capture, procs=session._procs))[0]) != 0:
+        rc, _, said = await session._exec(["/bin/bash", "-c", setup, "_", session.workdir,
+                                           f"{session.uid}:{session.uid}"], self.prepare_timeout_s, capture, user=False)
+        if rc != 0:
             await session.close()
-            raise RuntimeError(f"setting up {name} failed ({rc}): {capture.text(4096)}")
+            raise RuntimeError(f"setting up {name} failed ({rc}): {capture.text(4096)}{said[-2000:].decode()}")
         return session
 
 
 class _BuildahSession(ShellSession):
     def __init__(self, backend: BuildahBackend, name: str, workdir: str, uid: int, timeout_s: float):
         super().__init__(backend, workdir, uid, timeout_s)
-        self.name = name
+        self.name, self.fifos = name, tempfile.mkdtemp(prefix="molt-buildah-io-")  # bound in at _FIFOS
+        os.chmod(self.fifos, 0o711)
 
-    def _argv(self, program: list[str], user: bool = True) -> list[str]:  # stderr joins stdout inside: kept in order
+    def _argv(self, program: list[str], fifo: str, user: bool) -> list[str]:
         env = [a for kv in (f"HOME={self.workdir}", "LANG=C.UTF-8", "TERM=dumb") for a in ("-e", kv)]
-        return [*self.backend.wrap, self.backend.buildah, "run", "--isolation", "chroot",
-                *(["--user", f"{self.uid}:{self.uid}"] if user else []), "--workingdir", self.workdir if user else "/",
-                *env, self.name, "--", "/bin/bash", "-c", 'exec 2>&1; exec "$@"', "_", *program]
+        return [*self.backend.wrap, self.backend.buildah, "run", "--isolation", "chroot", "--volume",
+                f"{self.fifos}:{_FIFOS}:ro", *(["--user", f"{self.uid}:{self.uid}"] if user else []),
+                "--workingdir", self.workdir if user else "/", *env, self.name, "--",
+                "/bin/bash", "-c", 'exec >"$0" 2>&1; exec "$@"', f"{_FIFOS}/{fifo}", *program]
+
+    async def _exec(self, program: list[str], timeout: float, capture: _Capture,
+                    user: bool = True) -> tuple[int | None, bool, bytes]:
+        """The command writes its output into a FIFO of the session (stderr joins stdout there: kept in order) that
+        this process reads itself. Through ``buildah run``'s stdout it got lost: buildah relays a command's output in a
+        goroutine it does not wait for before it exits (chroot/run_common.go, 1.28 and still upstream), so under load
+        the output, or its end, was gone with exit code 0 (2 of 48 reads of a reward file came back empty)."""
+        os.mkfifo(fifo := os.path.join(self.fifos, uuid.uuid4().hex), 0o600)
+        if user:
+            os.chown(fifo, self.uid, self.uid)
+        reader, reading = asyncio.StreamReader(), open(fifo, "rb", buffering=0, opener=_nonblocking)
+        held = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # no end of file before the command has opened it
+        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), reading)
+        pump, said = asyncio.create_task(capture.pump(reader)), _Capture(4096)
+        try:
+            rc, timed_out = await _spawn(self._argv(program, os.path.basename(fifo), user), timeout, said,
+                                         procs=self._procs)
+        finally:  # the FIFO ends once the command's processes, gone with its pid namespace, and this one close it
+            os.close(held)
+            await asyncio.wait([pump], timeout=2.0)
+            pump.cancel(), transport.close(), os.unlink(fifo)
+        return rc, timed_out, bytes(said.head + said.tail)
 
     async def put(self, src: Path, dest: str) -> None:
         """``buildah copy`` (it resolves ``dest`` inside the container) of the folder's contents, made the user's."""
@@ -292,6 +326,7 @@ class _BuildahSession(ShellSession):
 
     async def _teardown(self) -> None:
         await asyncio.to_thread(self.backend._buildah, "rm", self.name)
+        shutil.rmtree(self.fifos, ignore_errors=True)
 
 
 def _plan(dockerfile: Path) -> tuple[str, dict[str, str], list[tuple]]:
@@ -352,6 +387,10 @@ def _mount_point(inside: str, what: str) -> str:  # bwrap mounts in its root (ne
         raise PrepareError(f"{what}: {inside} would need a new folder in the host's read-only {top}: choose a new "
                            f"top-level folder (such as /app) or an existing one, or use BuildahBackend for this task")
     return inside
+
+
+def _nonblocking(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NONBLOCK)
 
 
 def _chown_tree(path: Path, uid: int) -> None:
