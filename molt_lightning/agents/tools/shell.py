@@ -3,11 +3,12 @@
 network; a clean environment (PATH, HOME=work dir, LANG=C.UTF-8, TERM=dumb, the Dockerfile's ENV).
 
 - ``BubblewrapBackend`` (default): the host's root file system, read-only, is the image (FROM is ignored). ``prepare``
-  runs a Dockerfile subset into a layer folder cached by content hash: one WORKDIR (default /app), ENV (plain
-  ``$VAR``), COPY/ADD of files or folders of the build context into the work dir (no glob, URL or archive), RUN (only
-  the work dir and /tmp writable; what it writes there is kept); LABEL, CMD and such are ignored, anything else (USER,
-  ARG, COPY --from, ...) is an error: use BuildahBackend. An episode gets a private copy of the layer at the work dir,
-  and private /logs, /tmp and ``put`` folders (new ones: mount points go in new top-level or existing host folders).
+  runs a Dockerfile subset (bwrap_image.py) into a layer folder cached by content hash: one WORKDIR (default /app), ENV
+  (plain ``$VAR``), COPY/ADD of files or folders of the build context into the work dir (no glob, URL or archive), RUN
+  (only the work dir and /tmp writable; what it writes there is kept); LABEL, CMD and such are ignored, anything else
+  (USER, ARG, COPY --from, ...) is an error: use BuildahBackend. An episode gets a private copy of the layer at the work
+  dir, and private /logs, /tmp and ``put`` folders (new ones: mount points go in new top-level or existing host
+  folders).
   Each command is a ``bwrap`` of its own (pid, net, ipc, uts and mount namespaces, no capabilities, as root a fresh
   random uid per episode) under sandbox.py's launcher's rlimits (SIGPIPE, SIGXFSZ reset): AS (``memory_mb``), NPROC
   (``max_processes``), FSIZE (``file_mb``), no core. Its pid namespace dies with it, so only files stay between
@@ -31,11 +32,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import os
 import posixpath
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -46,16 +45,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from .bwrap_image import PATH, STAGE, PrepareError, mount_point, plan
 from .sandbox import _LAUNCHER, _TRUNCATED, _Capture, _isolation, _kill, _reexpose, _spawn, _uid
 
-PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _VERSION = "molt-shell-1"  # part of every cache key
-_IGNORED = {"FROM", "LABEL", "EXPOSE", "CMD", "ENTRYPOINT", "MAINTAINER", "HEALTHCHECK", "STOPSIGNAL", "VOLUME"}
 _NOISE = re.compile(r"(^(subprocess exited (with status \d+|on \w+)|Error: exit status \d+)\n?)+\Z", re.M)  # buildah's
-_STAGE = "/.molt-stage"  # where what is copied in is bound, read-only
 _FIFOS = "/.molt-io"  # buildah: where the session's FIFOs are bound, read-only
 _LAUNCH = "import signal\n[signal.signal(s, signal.SIG_DFL) for s in (signal.SIGPIPE, signal.SIGXFSZ)]" + _LAUNCHER
-_FIX = "is not supported by BubblewrapBackend: use BuildahBackend for this task"
 
 
 @dataclass
@@ -73,10 +69,6 @@ class Prepared:
     env: dict[str, str] = field(default_factory=dict)  # bwrap: the Dockerfile's ENV (an image carries its own)
     layer: Path | None = None  # bwrap: the prepared contents of the work dir
     image: str | None = None  # buildah: the image's tag
-
-
-class PrepareError(RuntimeError):
-    """The environment cannot be prepared; names the file and line, and the fix."""
 
 
 class ShellBackend(Protocol):
@@ -158,15 +150,15 @@ class BubblewrapBackend:
 
     def prepare(self, environment: Path) -> Prepared:
         dockerfile = (environment := Path(environment).resolve()) / "Dockerfile"
-        key, (workdir, env, steps) = _content_hash(environment, f"{_VERSION} bwrap"), _plan(dockerfile)
+        key, (workdir, env, steps) = _content_hash(environment, f"{_VERSION} bwrap"), plan(dockerfile)
         if (done := self.cache_dir / key).exists():
             return Prepared(key, workdir, env, done / "layer")
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         build, uid = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=self.cache_dir)), _uid(self.root)
-        try:  # the context is staged at _STAGE for COPY's `cp`, which runs in the sandbox like RUN: no link leads out
+        try:  # the context is staged at STAGE for COPY's `cp`, which runs in the sandbox like RUN: no link leads out
             shutil.copytree(environment, build / "stage", symlinks=True)
             (build / "layer").mkdir(), (build / "tmp").mkdir(), _chown_tree(build, uid)
-            mounts = {workdir: str(build / "layer"), "/tmp": str(build / "tmp"), _STAGE: str(build / "stage")}
+            mounts = {workdir: str(build / "layer"), "/tmp": str(build / "tmp"), STAGE: str(build / "stage")}
             for line, word, argv, env_then in steps:
                 try:
                     ran = subprocess.run(self.argv(mounts, workdir, env_then, uid, argv), stdout=subprocess.PIPE,
@@ -209,7 +201,7 @@ class _BwrapSession(ShellSession):
         staged = Path(tempfile.mkdtemp(prefix="put-", dir=self.base))
         await asyncio.to_thread(shutil.copytree, src, staged, symlinks=True, dirs_exist_ok=True)
         _chown_tree(staged, self.uid)
-        self.mounts[_mount_point(dest, f"put({str(src)!r}, {dest!r})")] = str(staged)
+        self.mounts[mount_point(dest, f"put({str(src)!r}, {dest!r})")] = str(staged)
 
     async def _teardown(self) -> None:
         await asyncio.to_thread(shutil.rmtree, self.base, ignore_errors=True)
@@ -327,66 +319,6 @@ class _BuildahSession(ShellSession):
     async def _teardown(self) -> None:
         await asyncio.to_thread(self.backend._buildah, "rm", self.name)
         shutil.rmtree(self.fifos, ignore_errors=True)
-
-
-def _plan(dockerfile: Path) -> tuple[str, dict[str, str], list[tuple]]:
-    """BubblewrapBackend's Dockerfile subset: (WORKDIR, ENV, steps: (line, RUN or COPY, argv, ENV then))."""
-    if not dockerfile.is_file():
-        raise PrepareError(f"{dockerfile}: no Dockerfile in the environment folder")
-    text, root, env, steps, ctx = dockerfile.read_text(), None, {}, [], dockerfile.parent
-    for m in re.finditer(r"(?m)^[ \t]*([A-Za-z]+)[ \t]*((?:[^\n]*\\\n)*[^\n]*)", text):  # continued lines joined
-        first, word, args = text.count("\n", 0, m.start()) + 1, m[1].upper(), re.sub(r"\\\n", " ", m[2]).strip()
-        where = f"{dockerfile}:{first}: {word}"
-
-        def expand(value: str) -> str:  # $VAR and ${VAR} from ENV (PATH: the sandbox's)
-            if "${" in re.sub(r"\$\{\w+\}", "", value):
-                raise PrepareError(f"{where}: {value}: ${{...}} beyond a plain variable {_FIX}")
-            return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda v: {"PATH": PATH, **env}.get(v[1] or v[2], ""), value)
-        if word == "ENV":
-            name, _, rest = args.partition(" ")
-            pairs = [p.partition("=") for p in shlex.split(args)] if "=" in name else [(name, "", rest.strip())]
-            env |= {k: expand(v) for k, _, v in pairs}
-        elif word == "WORKDIR":
-            path = posixpath.normpath(posixpath.join(root or "/", expand(args)))
-            if path == "/" or root not in {None, path}:
-                raise PrepareError(f"{where} {path}: a second work dir (or /) {_FIX}")
-            root = _mount_point(path, f"{where} {path}")
-        elif word in ("COPY", "ADD"):
-            words = json.loads(args) if args.startswith("[") else args.split()
-            if flags := [w for w in words if w.startswith("--") and not w.startswith("--chown=")]:
-                raise PrepareError(f"{where} {' '.join(flags)} {_FIX}")
-            words, root = [expand(w) for w in words if not w.startswith("--")], root or "/app"
-            dest, found = posixpath.normpath(posixpath.join(root, words[-1])), [ctx / w for w in words[:-1]]
-            if len(words) < 2 or not (dest == root or dest.startswith(root + "/")):
-                raise PrepareError(f"{where}: needs sources and a destination in the work dir {root}")
-            for path, pattern in zip(found, words):
-                if re.search(r"[*?[]", pattern) or word == "ADD" and re.search(r"://|\.(tar|t[gbx]z2?)\b", pattern):
-                    raise PrepareError(f"{where} of a glob, URL or archive {_FIX}")
-                rel = os.path.relpath(os.path.join(os.path.realpath(path.parent), path.name), os.path.realpath(ctx))
-                if not (path.exists() or path.is_symlink()) or rel == ".." or rel.startswith("../"):
-                    raise PrepareError(f"{where}: {pattern} is not a file or folder of the build context")
-            into = len(found) > 1 or words[-1].endswith("/") or any(p.is_dir() and not p.is_symlink() for p in found)
-            sources = [shlex.quote(f"{_STAGE}/{os.path.relpath(p, ctx)}" + ("/." if p.is_dir() and
-                                   not p.is_symlink() else "")) for p in found]  # Docker copies a folder's contents
-            script = f"mkdir -p {shlex.quote(dest if into else posixpath.dirname(dest))} && cp -R -P " \
-                     f"--preserve=mode,timestamps {' '.join(sources)} {shlex.quote(dest)}"
-            steps.append((first, word, ["/bin/bash", "-c", script], dict(env)))
-        elif word == "RUN":
-            if args.startswith(("--", "<<")):
-                raise PrepareError(f"{where} with flags or a here-document {_FIX}")
-            root = root or "/app"
-            steps.append((first, word, ["/bin/sh", "-c", 'exec "$@"', "sh", *json.loads(args)] if args.startswith("[")
-                          else ["/bin/sh", "-c", args], dict(env)))
-        elif word not in _IGNORED:  # FROM too: the host's root file system is the image
-            raise PrepareError(f"{where} {_FIX}")
-    return root or "/app", env, steps
-
-
-def _mount_point(inside: str, what: str) -> str:  # bwrap mounts in its root (new top-level folders) or on host ones
-    if inside != (top := "/" + inside.split("/")[1]) and os.path.lexists(top) and not os.path.isdir(inside):
-        raise PrepareError(f"{what}: {inside} would need a new folder in the host's read-only {top}: choose a new "
-                           f"top-level folder (such as /app) or an existing one, or use BuildahBackend for this task")
-    return inside
 
 
 def _nonblocking(path: str, flags: int) -> int:
