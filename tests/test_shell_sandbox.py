@@ -295,20 +295,30 @@ def test_bwrap_dockerfile_subset_and_its_limits(tmp_path):
     assert (layer / "lib" / "mod.py").read_text() == "x = 1\n" and (layer / "renamed.txt").read_text() == "1\n"
     assert (layer / "two" / "one.txt").exists() and (layer / "b.txt").read_text() == "two words\n"
     (tmp_path / "secret").write_text("outside the context")
-    for bad, why in [("WORKDIR /usr/src/app", "read-only /usr"), ("COPY ../secret .", "not a file or folder of"),
-                     ("COPY one.txt /elsewhere/", "in the work dir /app"), ("ADD https://x.org/a.tgz .", "URL")]:
+    refused = [("WORKDIR /etc/passwd/x", "/etc/passwd is a file on the host"),  # (a work dir anywhere else goes:
+               ("WORKDIR /tmp/work", "/tmp is the sandbox's own"),  # tests/test_workdirs.py)
+               ("COPY ../secret .", "not a file or folder of"), ("COPY one.txt /elsewhere/", "in the work dir /app"),
+               ("ADD https://x.org/a.tgz .", "URL")]
+    if backend.keep:  # as root: the interpreter's install is bound in anew
+        refused.append((f"WORKDIR {os.path.dirname(backend.keep[0])}", "would hide .* the Python that starts every"))
+    if os.path.islink("/bin"):  # a merged /usr
+        refused.append(("WORKDIR /bin/x", r"/bin is a link on the host \(to usr/bin\).*write the folder it leads to"))
+    for bad, why in refused:
         with pytest.raises(PrepareError, match=rf"Dockerfile:2: .*{why}"):
             backend.prepare(environment(tmp_path / uuid.uuid4().hex, f"FROM x\n{bad}\n", **{"one.txt": "1\n"}))
 
     async def puts():
         session = await backend.start(prepared, 60)
         try:
-            for dest, error in [("/project/sub", ValueError), ("/", ValueError), ("/usr/molt-x", PrepareError)]:
+            for dest, error in [("/project/sub", ValueError), ("/", ValueError), ("/dev/molt-x", PrepareError)]:
                 with pytest.raises(error):
                     await session.put(env / "src", dest)
+            await session.put(env / "src", "/usr/molt-x")  # a new folder in a host folder: the sandbox's own
+            return await session.run("cat /usr/molt-x/mod.py; ls /usr/bin/env")
         finally:
             await session.close()
-    asyncio.run(puts())
+    listed = asyncio.run(puts())
+    assert listed.output == "x = 1\n/usr/bin/env\n" and not os.path.exists("/usr/molt-x"), listed  # /usr's kept
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ network; a clean environment (PATH, HOME=work dir, LANG=C.UTF-8, TERM=dumb, the 
   (plain ``$VAR``), COPY/ADD of files or folders of the build context into the work dir (no glob, URL or archive), RUN
   (only the work dir and /tmp writable; what it writes there is kept); LABEL, CMD and such are ignored, anything else
   (USER, ARG, COPY --from, ...) is an error: use BuildahBackend. An episode gets a private copy of the layer at the work
-  dir, and private /logs, /tmp and ``put`` folders (new ones: mount points go in new top-level or existing host
-  folders).
+  dir, and private /logs, /tmp and ``put`` folders; the work dir may be anywhere, the host's folders above it stay
+  read-only and unwritten (bwrap_image.tree: a tmpfs covers a host folder that must hold a new mount point).
   Each command is a ``bwrap`` of its own (pid, net, ipc, uts and mount namespaces, no capabilities, as root a fresh
   random uid per episode) under sandbox.py's launcher's rlimits (SIGPIPE, SIGXFSZ reset): AS (``memory_mb``), NPROC
   (``max_processes``), FSIZE (``file_mb``), no core. Its pid namespace dies with it, so only files stay between
@@ -45,8 +45,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from .bwrap_image import PATH, STAGE, PrepareError, mount_point, plan
-from .sandbox import _LAUNCHER, _TRUNCATED, _Capture, _isolation, _kill, _reexpose, _spawn, _uid
+from .bwrap_image import PATH, STAGE, PrepareError, mount_point, plan, tree
+from .sandbox import _LAUNCHER, _TRUNCATED, _Capture, _isolation, _kill, _spawn, _uid
 
 _VERSION = "molt-shell-1"  # part of every cache key
 _NOISE = re.compile(r"(^(subprocess exited (with status \d+|on \w+)|Error: exit status \d+)\n?)+\Z", re.M)  # buildah's
@@ -132,25 +132,25 @@ class BubblewrapBackend:
         self.limits = f"RLIMIT_AS={memory_mb << 20},RLIMIT_FSIZE={file_mb << 20},RLIMIT_CORE=0," \
                       f"RLIMIT_NPROC={max_processes}"
         self.python, self.root = os.path.realpath(sys.executable), os.geteuid() == 0  # the launcher's: -I -S, no venv
-        self.base = _isolation(bwrap, self.root)
+        self.base = _isolation(bwrap, self.root)  # as root, the uid it drops to reaches the interpreter's install:
+        self.keep = (os.path.dirname(os.path.dirname(self.python)),) if self.root else ()  # it is bound in anew
 
     def argv(self, mounts: dict[str, str], cwd: str, env: dict[str, str], uid: int, program: list[str]) -> list[str]:
         """bwrap's command line: the host's top-level entries read-only but those a mount replaces, ``mounts`` (inside
-        -> host folder) writable, the launcher's interpreter re-exposed where its ancestors are closed (/root)."""
+        -> host folder) writable wherever they are (bwrap_image.tree), the launcher's interpreter reachable."""
         argv, tops = list(self.base), {"/proc", "/dev", *(m for m in mounts if m.count("/") == 1)}
         for path in sorted("/" + name for name in os.listdir("/")):
             if path not in tops:
                 argv += ["--symlink", os.readlink(path), path] if os.path.islink(path) else ["--ro-bind", path, path]
         argv += ["--dev", "/dev", "--proc", "/proc"]
-        argv += _reexpose({os.path.dirname(os.path.dirname(self.python))}) if self.root else []
-        argv += [a for inside in sorted(mounts) for a in ("--bind", mounts[inside], inside)]
+        argv += tree(mounts, self.keep)
         env = {"PATH": PATH, "HOME": cwd, "LANG": "C.UTF-8", "TERM": "dumb", **env}
         argv += ["--remount-ro", "/", *[a for k, v in env.items() for a in ("--setenv", k, v)], "--chdir", cwd]
         return argv + ["--", self.python, "-I", "-S", "-c", _LAUNCH, str(uid), self.limits, *program]
 
     def prepare(self, environment: Path) -> Prepared:
         dockerfile = (environment := Path(environment).resolve()) / "Dockerfile"
-        key, (workdir, env, steps) = _content_hash(environment, f"{_VERSION} bwrap"), plan(dockerfile)
+        key, (workdir, env, steps) = _content_hash(environment, f"{_VERSION} bwrap"), plan(dockerfile, self.keep)
         if (done := self.cache_dir / key).exists():
             return Prepared(key, workdir, env, done / "layer")
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -201,7 +201,7 @@ class _BwrapSession(ShellSession):
         staged = Path(tempfile.mkdtemp(prefix="put-", dir=self.base))
         await asyncio.to_thread(shutil.copytree, src, staged, symlinks=True, dirs_exist_ok=True)
         _chown_tree(staged, self.uid)
-        self.mounts[mount_point(dest, f"put({str(src)!r}, {dest!r})")] = str(staged)
+        self.mounts[mount_point(dest, f"put({str(src)!r}, {dest!r})", self.backend.keep)] = str(staged)
 
     async def _teardown(self) -> None:
         await asyncio.to_thread(shutil.rmtree, self.base, ignore_errors=True)
