@@ -44,10 +44,17 @@ def processes() -> list[tuple[int, int, str, bytes]]:
     return found
 
 
-def leftovers(uid: int, workdir: str) -> list[int]:
-    """Pids still running as the sandbox's own uid or inside its directory."""
-    return [pid for pid, real_uid, cwd, _ in processes()
-            if (uid != os.getuid() and real_uid == uid) or cwd.startswith(workdir)]
+def leftovers(uid: int, workdir: str, wait_s: float = 0.0) -> list[int]:
+    """Pids still running as the sandbox's own uid or inside its directory; with ``wait_s``, polls until there are none
+    or that time is up (a killed process that has closed its files, the run's cue that it is gone, can be listed a
+    moment longer while it exits)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = [pid for pid, real_uid, cwd, _ in processes()
+                 if (uid != os.getuid() and real_uid == uid) or cwd.startswith(workdir)]
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.01)
 
 
 def test_program_output_and_stdin(sandbox):
@@ -185,7 +192,7 @@ def test_cancelled_run_leaves_nothing(sandbox):
     running = asyncio.run(main())
     assert len(running) == 2, running
     uid, workdir = running[0]
-    assert leftovers(uid, workdir) == [] and not os.path.exists(workdir)
+    assert leftovers(uid, workdir, wait_s=10) == [] and not os.path.exists(workdir)
 
 
 def test_tool_schema():

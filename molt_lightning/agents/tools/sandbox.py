@@ -48,6 +48,8 @@ os.execv(argv[0], argv)
 """
 _UID_RANGE = (1_000_000_000, 2_000_000_000)  # as root, each run gets a fresh uid, far from any real account
 _TRUNCATED = "\n[... truncated]\n"
+_GONE_S = 30.0  # how long a killed sandbox's processes may take to be gone (2 s, the wait after a normal end, is short
+# on a loaded machine: a cancelled run's forked child was once seen alive after the run returned)
 _working: set[tuple[str, str]] = set()  # (bwrap, python) pairs that already ran a sandbox here
 
 
@@ -217,12 +219,15 @@ class _Capture:
 
     async def pump(self, stream: asyncio.StreamReader) -> None:
         while chunk := await stream.read(1 << 16):
-            room = max(self.keep - len(self.head), 0)
-            self.head += chunk[:room]
-            self.tail += chunk[room:]
-            if len(self.tail) > self.keep:
-                self.dropped += len(self.tail) - self.keep
-                del self.tail[:-self.keep]
+            self.add(chunk)
+
+    def add(self, chunk: bytes) -> None:
+        room = max(self.keep - len(self.head), 0)
+        self.head += chunk[:room]
+        self.tail += chunk[room:]
+        if len(self.tail) > self.keep:
+            self.dropped += len(self.tail) - self.keep
+            del self.tail[:-self.keep]
 
     def text(self, limit: int) -> str:
         if self.dropped:
@@ -240,7 +245,9 @@ async def _spawn(argv: list[str], timeout: float, capture: _Capture, stdin: byte
                  procs: set | None = None) -> tuple[int | None, bool]:
     """Run ``argv`` in a process group of its own, stdout and stderr merged into ``capture``, fed ``stdin`` (None: no
     stdin), held in ``procs`` while it runs: (exit code, or None when killed at ``timeout``; timed out). Cancelled or
-    failed, it is killed too: nothing is left running."""
+    failed, it is killed too: nothing is left running. Killing reaches bwrap's group only; the sandbox's processes (a
+    session and a pid namespace of their own) die as the kernel tears the namespace down after bwrap, a while later on
+    a loaded machine: the end of the output pipe, which they all hold, says they are gone."""
     proc = await asyncio.create_subprocess_exec(*argv, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
                                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                 start_new_session=True)
@@ -256,7 +263,7 @@ async def _spawn(argv: list[str], timeout: float, capture: _Capture, stdin: byte
             _kill(proc)
             await proc.wait()
         procs.discard(proc)
-        _, pending = await asyncio.wait(tasks, timeout=2.0)  # the pipe closes once the namespace is gone
+        _, pending = await asyncio.wait(tasks, timeout=_GONE_S if timed_out else 2.0)  # closed: the namespace is gone
         for task in pending:
             task.cancel()
     return (None if timed_out else proc.returncode), timed_out

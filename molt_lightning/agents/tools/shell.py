@@ -3,11 +3,12 @@
 network; a clean environment (PATH, HOME=work dir, LANG=C.UTF-8, TERM=dumb, the Dockerfile's ENV).
 
 - ``BubblewrapBackend`` (default): the host's root file system, read-only, is the image (FROM is ignored). ``prepare``
-  runs a Dockerfile subset into a layer folder cached by content hash: one WORKDIR (default /app), ENV (plain
-  ``$VAR``), COPY/ADD of files or folders of the build context into the work dir (no glob, URL or archive), RUN (only
-  the work dir and /tmp writable; what it writes there is kept); LABEL, CMD and such are ignored, anything else (USER,
-  ARG, COPY --from, ...) is an error: use BuildahBackend. An episode gets a private copy of the layer at the work dir,
-  and private /logs, /tmp and ``put`` folders (new ones: mount points go in new top-level or existing host folders).
+  runs a Dockerfile subset (bwrap_image.py) into a layer folder cached by content hash: one WORKDIR (default /app), ENV
+  (plain ``$VAR``), COPY/ADD of files or folders of the build context into the work dir (no glob, URL or archive), RUN
+  (only the work dir and /tmp writable; what it writes there is kept); LABEL, CMD and such are ignored, anything else
+  (USER, ARG, COPY --from, ...) is an error: use BuildahBackend. An episode gets a private copy of the layer at the work
+  dir, and private /logs, /tmp and ``put`` folders; the work dir may be anywhere, the host's folders above it stay
+  read-only and unwritten (bwrap_image.tree: a tmpfs covers a host folder that must hold a new mount point).
   Each command is a ``bwrap`` of its own (pid, net, ipc, uts and mount namespaces, no capabilities, as root a fresh
   random uid per episode) under sandbox.py's launcher's rlimits (SIGPIPE, SIGXFSZ reset): AS (``memory_mb``), NPROC
   (``max_processes``), FSIZE (``file_mb``), no core. Its pid namespace dies with it, so only files stay between
@@ -18,7 +19,9 @@ network; a clean environment (PATH, HOME=work dir, LANG=C.UTF-8, TERM=dumb, the 
   unshare --net --pid --ipc --uts --mount-proc``: no network, only its own processes in /proc, no setuid gains, nothing
   outlives a command; buildah adds its seccomp filter. Commands run as a fresh unprivileged uid owning the work dir and
   /logs (root escapes RLIMIT_NPROC); else only /tmp and /dev/shm are writable. Limits: ``buildah from --ulimit`` nproc,
-  fsize, core and (no ``as`` there) RLIMIT_DATA; no cgroups (``--memory``) under chroot. About 0.15 s a command.
+  fsize, core and (no ``as`` there) RLIMIT_DATA; no cgroups (``--memory``) under chroot. A command's output comes
+  through a FIFO of the session, bound in read-only at /.molt-io, not through ``buildah run``'s stdout, which under
+  load lost output (``_exec``). About 0.15 s a command.
 
 Neither limits disk use (only each file's size), CPU beyond the deadlines, page cache or tmpfs (buildah's /dev/shm).
 Written by hand: no maintained library makes per-episode sandboxes on bwrap or buildah (launcher, capture: sandbox.py).
@@ -29,11 +32,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import os
 import posixpath
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -44,15 +45,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from .sandbox import _LAUNCHER, _TRUNCATED, _Capture, _isolation, _kill, _reexpose, _spawn, _uid
+from .bwrap_image import PATH, STAGE, PrepareError, mount_point, plan, tree
+from .sandbox import _LAUNCHER, _TRUNCATED, _Capture, _isolation, _kill, _spawn, _uid
 
-PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _VERSION = "molt-shell-1"  # part of every cache key
-_IGNORED = {"FROM", "LABEL", "EXPOSE", "CMD", "ENTRYPOINT", "MAINTAINER", "HEALTHCHECK", "STOPSIGNAL", "VOLUME"}
 _NOISE = re.compile(r"(^(subprocess exited (with status \d+|on \w+)|Error: exit status \d+)\n?)+\Z", re.M)  # buildah's
-_STAGE = "/.molt-stage"  # where what is copied in is bound, read-only
+_FIFOS = "/.molt-io"  # buildah: where the session's FIFOs are bound, read-only
 _LAUNCH = "import signal\n[signal.signal(s, signal.SIG_DFL) for s in (signal.SIGPIPE, signal.SIGXFSZ)]" + _LAUNCHER
-_FIX = "is not supported by BubblewrapBackend: use BuildahBackend for this task"
 
 
 @dataclass
@@ -70,10 +69,6 @@ class Prepared:
     env: dict[str, str] = field(default_factory=dict)  # bwrap: the Dockerfile's ENV (an image carries its own)
     layer: Path | None = None  # bwrap: the prepared contents of the work dir
     image: str | None = None  # buildah: the image's tag
-
-
-class PrepareError(RuntimeError):
-    """The environment cannot be prepared; names the file and line, and the fix."""
 
 
 class ShellBackend(Protocol):
@@ -96,9 +91,9 @@ class ShellSession:
         if left <= 0:
             result = ShellResult("[episode deadline passed: not run]", None, True, 0.0)
         else:
-            rc, timed_out = await _spawn(self._argv(["/bin/bash", "-c", command]),
-                                         min(timeout_s or self.backend.command_timeout_s, left), capture,
-                                         procs=self._procs)
+            rc, timed_out, said = await self._exec(["/bin/bash", "-c", command],
+                                                   min(timeout_s or self.backend.command_timeout_s, left), capture)
+            capture.add(said)  # the backend's own words (buildah's) after the command's output
             result = ShellResult(_NOISE.sub("", _clip(capture, self.backend.max_output)), rc, timed_out,
                                  time.monotonic() - start)
         self.commands.append({"command": command, **asdict(result), "seconds": round(result.seconds, 3)})
@@ -107,8 +102,13 @@ class ShellSession:
     async def read(self, path: str) -> bytes | None:
         """The file at absolute ``path`` inside, read as the sandbox's user (links resolve inside), or None."""
         script, capture = '[ -f "$1" ] || exit 66; exec cat -- "$1"', _Capture(1 << 62)  # keeps it all
-        rc, _ = await _spawn(self._argv(["/bin/bash", "-c", script, "_", path]), 600, capture, procs=self._procs)
+        rc, _, _ = await self._exec(["/bin/bash", "-c", script, "_", path], 600, capture)
         return bytes(capture.head) if rc == 0 else None
+
+    async def _exec(self, program: list[str], timeout: float, capture: _Capture) -> tuple[int | None, bool, bytes]:
+        """Run ``program`` inside, its stdout and stderr into ``capture``: (exit code, timed out, the backend's own
+        words on its stderr, where they come apart)."""
+        return *await _spawn(self._argv(program), timeout, capture, procs=self._procs), b""
 
     async def close(self) -> None:
         """Kill whatever still runs, throw the episode away; idempotent."""
@@ -132,33 +132,33 @@ class BubblewrapBackend:
         self.limits = f"RLIMIT_AS={memory_mb << 20},RLIMIT_FSIZE={file_mb << 20},RLIMIT_CORE=0," \
                       f"RLIMIT_NPROC={max_processes}"
         self.python, self.root = os.path.realpath(sys.executable), os.geteuid() == 0  # the launcher's: -I -S, no venv
-        self.base = _isolation(bwrap, self.root)
+        self.base = _isolation(bwrap, self.root)  # as root, the uid it drops to reaches the interpreter's install:
+        self.keep = (os.path.dirname(os.path.dirname(self.python)),) if self.root else ()  # it is bound in anew
 
     def argv(self, mounts: dict[str, str], cwd: str, env: dict[str, str], uid: int, program: list[str]) -> list[str]:
         """bwrap's command line: the host's top-level entries read-only but those a mount replaces, ``mounts`` (inside
-        -> host folder) writable, the launcher's interpreter re-exposed where its ancestors are closed (/root)."""
+        -> host folder) writable wherever they are (bwrap_image.tree), the launcher's interpreter reachable."""
         argv, tops = list(self.base), {"/proc", "/dev", *(m for m in mounts if m.count("/") == 1)}
         for path in sorted("/" + name for name in os.listdir("/")):
             if path not in tops:
                 argv += ["--symlink", os.readlink(path), path] if os.path.islink(path) else ["--ro-bind", path, path]
         argv += ["--dev", "/dev", "--proc", "/proc"]
-        argv += _reexpose({os.path.dirname(os.path.dirname(self.python))}) if self.root else []
-        argv += [a for inside in sorted(mounts) for a in ("--bind", mounts[inside], inside)]
+        argv += tree(mounts, self.keep)
         env = {"PATH": PATH, "HOME": cwd, "LANG": "C.UTF-8", "TERM": "dumb", **env}
         argv += ["--remount-ro", "/", *[a for k, v in env.items() for a in ("--setenv", k, v)], "--chdir", cwd]
         return argv + ["--", self.python, "-I", "-S", "-c", _LAUNCH, str(uid), self.limits, *program]
 
     def prepare(self, environment: Path) -> Prepared:
         dockerfile = (environment := Path(environment).resolve()) / "Dockerfile"
-        key, (workdir, env, steps) = _content_hash(environment, f"{_VERSION} bwrap"), _plan(dockerfile)
+        key, (workdir, env, steps) = _content_hash(environment, f"{_VERSION} bwrap"), plan(dockerfile, self.keep)
         if (done := self.cache_dir / key).exists():
             return Prepared(key, workdir, env, done / "layer")
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         build, uid = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=self.cache_dir)), _uid(self.root)
-        try:  # the context is staged at _STAGE for COPY's `cp`, which runs in the sandbox like RUN: no link leads out
+        try:  # the context is staged at STAGE for COPY's `cp`, which runs in the sandbox like RUN: no link leads out
             shutil.copytree(environment, build / "stage", symlinks=True)
             (build / "layer").mkdir(), (build / "tmp").mkdir(), _chown_tree(build, uid)
-            mounts = {workdir: str(build / "layer"), "/tmp": str(build / "tmp"), _STAGE: str(build / "stage")}
+            mounts = {workdir: str(build / "layer"), "/tmp": str(build / "tmp"), STAGE: str(build / "stage")}
             for line, word, argv, env_then in steps:
                 try:
                     ran = subprocess.run(self.argv(mounts, workdir, env_then, uid, argv), stdout=subprocess.PIPE,
@@ -201,7 +201,7 @@ class _BwrapSession(ShellSession):
         staged = Path(tempfile.mkdtemp(prefix="put-", dir=self.base))
         await asyncio.to_thread(shutil.copytree, src, staged, symlinks=True, dirs_exist_ok=True)
         _chown_tree(staged, self.uid)
-        self.mounts[_mount_point(dest, f"put({str(src)!r}, {dest!r})")] = str(staged)
+        self.mounts[mount_point(dest, f"put({str(src)!r}, {dest!r})", self.backend.keep)] = str(staged)
 
     async def _teardown(self) -> None:
         await asyncio.to_thread(shutil.rmtree, self.base, ignore_errors=True)
@@ -263,23 +263,49 @@ class BuildahBackend:
             raise RuntimeError(f"buildah from {prepared.image} failed: {made.stderr.strip()[-2000:]}")
         session, capture = _BuildahSession(self, name, prepared.workdir, _uid(True), episode_timeout_s), _Capture(4096)
         setup = 'mkdir -p -- "$1" /logs/verifier /logs/agent && chown -R -- "$2" "$1" /logs'  # as root, for the user
-        argv = session._argv(["/bin/bash", "-c", setup, "_", session.workdir, f"{session.uid}:{session.uid}"], False)
-        if (rc := (await _spawn(argv, self.prepare_timeout_s, capture, procs=session._procs))[0]) != 0:
+        rc, _, said = await session._exec(["/bin/bash", "-c", setup, "_", session.workdir,
+                                           f"{session.uid}:{session.uid}"], self.prepare_timeout_s, capture, user=False)
+        if rc != 0:
             await session.close()
-            raise RuntimeError(f"setting up {name} failed ({rc}): {capture.text(4096)}")
+            raise RuntimeError(f"setting up {name} failed ({rc}): {capture.text(4096)}{said[-2000:].decode()}")
         return session
 
 
 class _BuildahSession(ShellSession):
     def __init__(self, backend: BuildahBackend, name: str, workdir: str, uid: int, timeout_s: float):
         super().__init__(backend, workdir, uid, timeout_s)
-        self.name = name
+        self.name, self.fifos = name, tempfile.mkdtemp(prefix="molt-buildah-io-")  # bound in at _FIFOS
+        os.chmod(self.fifos, 0o711)
 
-    def _argv(self, program: list[str], user: bool = True) -> list[str]:  # stderr joins stdout inside: kept in order
+    def _argv(self, program: list[str], fifo: str, user: bool) -> list[str]:
         env = [a for kv in (f"HOME={self.workdir}", "LANG=C.UTF-8", "TERM=dumb") for a in ("-e", kv)]
-        return [*self.backend.wrap, self.backend.buildah, "run", "--isolation", "chroot",
-                *(["--user", f"{self.uid}:{self.uid}"] if user else []), "--workingdir", self.workdir if user else "/",
-                *env, self.name, "--", "/bin/bash", "-c", 'exec 2>&1; exec "$@"', "_", *program]
+        return [*self.backend.wrap, self.backend.buildah, "run", "--isolation", "chroot", "--volume",
+                f"{self.fifos}:{_FIFOS}:ro", *(["--user", f"{self.uid}:{self.uid}"] if user else []),
+                "--workingdir", self.workdir if user else "/", *env, self.name, "--",
+                "/bin/bash", "-c", 'exec >"$0" 2>&1; exec "$@"', f"{_FIFOS}/{fifo}", *program]
+
+    async def _exec(self, program: list[str], timeout: float, capture: _Capture,
+                    user: bool = True) -> tuple[int | None, bool, bytes]:
+        """The command writes its output into a FIFO of the session (stderr joins stdout there: kept in order) that
+        this process reads itself. Through ``buildah run``'s stdout it got lost: buildah relays a command's output in a
+        goroutine it does not wait for before it exits (chroot/run_common.go, 1.28 and still upstream), so under load
+        the output, or its end, was gone with exit code 0 (2 of 48 reads of a reward file came back empty)."""
+        os.mkfifo(fifo := os.path.join(self.fifos, uuid.uuid4().hex), 0o600)
+        if user:
+            os.chown(fifo, self.uid, self.uid)
+        reader, reading = asyncio.StreamReader(), open(fifo, "rb", buffering=0, opener=_nonblocking)
+        held = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # no end of file before the command has opened it
+        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), reading)
+        pump, said = asyncio.create_task(capture.pump(reader)), _Capture(4096)
+        try:
+            rc, timed_out = await _spawn(self._argv(program, os.path.basename(fifo), user), timeout, said,
+                                         procs=self._procs)
+        finally:  # the FIFO ends once the command's processes, gone with its pid namespace, and this one close it
+            os.close(held)
+            await asyncio.wait([pump], timeout=2.0)
+            pump.cancel(), transport.close(), os.unlink(fifo)
+        return rc, timed_out, bytes(said.head + said.tail)
 
     async def put(self, src: Path, dest: str) -> None:
         """``buildah copy`` (it resolves ``dest`` inside the container) of the folder's contents, made the user's."""
@@ -292,66 +318,11 @@ class _BuildahSession(ShellSession):
 
     async def _teardown(self) -> None:
         await asyncio.to_thread(self.backend._buildah, "rm", self.name)
+        shutil.rmtree(self.fifos, ignore_errors=True)
 
 
-def _plan(dockerfile: Path) -> tuple[str, dict[str, str], list[tuple]]:
-    """BubblewrapBackend's Dockerfile subset: (WORKDIR, ENV, steps: (line, RUN or COPY, argv, ENV then))."""
-    if not dockerfile.is_file():
-        raise PrepareError(f"{dockerfile}: no Dockerfile in the environment folder")
-    text, root, env, steps, ctx = dockerfile.read_text(), None, {}, [], dockerfile.parent
-    for m in re.finditer(r"(?m)^[ \t]*([A-Za-z]+)[ \t]*((?:[^\n]*\\\n)*[^\n]*)", text):  # continued lines joined
-        first, word, args = text.count("\n", 0, m.start()) + 1, m[1].upper(), re.sub(r"\\\n", " ", m[2]).strip()
-        where = f"{dockerfile}:{first}: {word}"
-
-        def expand(value: str) -> str:  # $VAR and ${VAR} from ENV (PATH: the sandbox's)
-            if "${" in re.sub(r"\$\{\w+\}", "", value):
-                raise PrepareError(f"{where}: {value}: ${{...}} beyond a plain variable {_FIX}")
-            return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda v: {"PATH": PATH, **env}.get(v[1] or v[2], ""), value)
-        if word == "ENV":
-            name, _, rest = args.partition(" ")
-            pairs = [p.partition("=") for p in shlex.split(args)] if "=" in name else [(name, "", rest.strip())]
-            env |= {k: expand(v) for k, _, v in pairs}
-        elif word == "WORKDIR":
-            path = posixpath.normpath(posixpath.join(root or "/", expand(args)))
-            if path == "/" or root not in {None, path}:
-                raise PrepareError(f"{where} {path}: a second work dir (or /) {_FIX}")
-            root = _mount_point(path, f"{where} {path}")
-        elif word in ("COPY", "ADD"):
-            words = json.loads(args) if args.startswith("[") else args.split()
-            if flags := [w for w in words if w.startswith("--") and not w.startswith("--chown=")]:
-                raise PrepareError(f"{where} {' '.join(flags)} {_FIX}")
-            words, root = [expand(w) for w in words if not w.startswith("--")], root or "/app"
-            dest, found = posixpath.normpath(posixpath.join(root, words[-1])), [ctx / w for w in words[:-1]]
-            if len(words) < 2 or not (dest == root or dest.startswith(root + "/")):
-                raise PrepareError(f"{where}: needs sources and a destination in the work dir {root}")
-            for path, pattern in zip(found, words):
-                if re.search(r"[*?[]", pattern) or word == "ADD" and re.search(r"://|\.(tar|t[gbx]z2?)\b", pattern):
-                    raise PrepareError(f"{where} of a glob, URL or archive {_FIX}")
-                rel = os.path.relpath(os.path.join(os.path.realpath(path.parent), path.name), os.path.realpath(ctx))
-                if not (path.exists() or path.is_symlink()) or rel == ".." or rel.startswith("../"):
-                    raise PrepareError(f"{where}: {pattern} is not a file or folder of the build context")
-            into = len(found) > 1 or words[-1].endswith("/") or any(p.is_dir() and not p.is_symlink() for p in found)
-            sources = [shlex.quote(f"{_STAGE}/{os.path.relpath(p, ctx)}" + ("/." if p.is_dir() and
-                                   not p.is_symlink() else "")) for p in found]  # Docker copies a folder's contents
-            script = f"mkdir -p {shlex.quote(dest if into else posixpath.dirname(dest))} && cp -R -P " \
-                     f"--preserve=mode,timestamps {' '.join(sources)} {shlex.quote(dest)}"
-            steps.append((first, word, ["/bin/bash", "-c", script], dict(env)))
-        elif word == "RUN":
-            if args.startswith(("--", "<<")):
-                raise PrepareError(f"{where} with flags or a here-document {_FIX}")
-            root = root or "/app"
-            steps.append((first, word, ["/bin/sh", "-c", 'exec "$@"', "sh", *json.loads(args)] if args.startswith("[")
-                          else ["/bin/sh", "-c", args], dict(env)))
-        elif word not in _IGNORED:  # FROM too: the host's root file system is the image
-            raise PrepareError(f"{where} {_FIX}")
-    return root or "/app", env, steps
-
-
-def _mount_point(inside: str, what: str) -> str:  # bwrap mounts in its root (new top-level folders) or on host ones
-    if inside != (top := "/" + inside.split("/")[1]) and os.path.lexists(top) and not os.path.isdir(inside):
-        raise PrepareError(f"{what}: {inside} would need a new folder in the host's read-only {top}: choose a new "
-                           f"top-level folder (such as /app) or an existing one, or use BuildahBackend for this task")
-    return inside
+def _nonblocking(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NONBLOCK)
 
 
 def _chown_tree(path: Path, uid: int) -> None:
