@@ -217,8 +217,9 @@ def _refused(config: dict, bad) -> None:
             bad(f"[{where}] network_mode = {section.get('network_mode')!r}: the sandbox has no network", offline)
     network = env.get("network_mode", {True: "public", False: "no-network"}.get(env.get("allow_internet")))
     if network in ("public", "allowlist") or env.get("allowed_hosts"):
-        bad(f"[environment] network_mode = {network!r} (or allow_internet = true): the sandbox has no network",
-            offline)
+        said = f"allowed_hosts = {env['allowed_hosts']!r}" if env.get("allowed_hosts") else \
+            f"network_mode = {network!r}" if "network_mode" in env else "allow_internet = true"
+        bad(f"[environment] {said}: the sandbox has no network", offline)
     if str(env.get("os", "linux")).lower() != "linux":
         bad(f"[environment] os = {env['os']!r}: the sandboxes here run Linux", 'use a Linux image (os = "linux")')
     for key in ("gpus", "gpu_types", "tpu"):

@@ -174,6 +174,6 @@ def prepare(backend, task: HarborTask):
         try:
             return backend.prepare(Path(tmp))
         except PrepareError as e:
-            said = str(e).replace(str(Path(tmp).resolve()), str(task.environment)).replace(tmp, str(task.environment))
+            said = str(e).strip().replace(str(Path(tmp).resolve()), tmp).replace(tmp, str(task.environment))
             raise PrepareError(f"{said} (the Dockerfile's last {len(lines)} lines come from task.toml: "
                                f"{'; '.join(lines)})") from None
