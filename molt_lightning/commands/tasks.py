@@ -151,25 +151,25 @@ async def _episode(backend, prepared, task, solve: bool, slots: asyncio.Semaphor
             finally:
                 await session.close()
         except VerifierFailed as e:
-            return None, f"failed ({e.kind})", workdir, time.monotonic() - t0, e.message + _said(ran)
+            return None, f"failed ({e.kind})", workdir, time.monotonic() - t0, e.message + _said(ran, "; ")
         except Exception as e:  # noqa: BLE001 - said in the task's row: the check goes on with the others
             return None, "error", workdir, time.monotonic() - t0, f"{type(e).__name__}: {e}"
     seconds, note = time.monotonic() - t0, None
     if solve and verdict.reward < 1.0:
-        note = f"scores {verdict.reward:g}{_said(ran)}; the tests said: {_tail(verdict.output)}"
+        note = f"scores {verdict.reward:g}{_said(ran, '; ')}; test.sh {_printed(verdict.output)}"
     return verdict.reward, f"{verdict.reward:g}", workdir, seconds, note
 
 
-def _said(ran) -> str:
+def _said(ran, sep: str) -> str:
+    """How solve.sh ended and what it printed ("" when it did not run)."""
     if ran is None:
         return ""
-    how = "timed out" if ran.timed_out else f"exit {ran.exit_code}"
-    return f" (solve.sh: {how}: {_tail(ran.output)})"
+    return f"{sep}solve.sh {'timed out' if ran.timed_out else f'exit {ran.exit_code}'}, {_printed(ran.output)}"
 
 
-def _tail(text: str, chars: int = 300) -> str:
-    text = " | ".join(line for line in text.strip().splitlines() if line.strip())
-    return repr(text[-chars:]) if text else "nothing"
+def _printed(text: str, chars: int = 300) -> str:
+    text = " | ".join(line for line in text.strip().splitlines() if line.strip())  # one line
+    return f"printed {text[-chars:]!r}" if text else "printed nothing"
 
 
 def _table(rows: list[Row]) -> str:
