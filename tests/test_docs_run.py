@@ -129,6 +129,12 @@ LISTED: dict[str, tuple[str, str]] = {  # (and, for "long", the start of command
     "in full": ("no", "tasks.python_tool.anthropic_agent with its tool lines cut: tests/test_frameworks.py trains it"),
     "docs/agents.md: # OpenAI Agents SDK: the stock client of this trajectory as the model, tracing off (it traces to "
     "OpenAI otherwise)": ("no", "excerpts of tasks.framework_agents, which tests/test_frameworks.py trains"),
+    "docs/agents.md: molt tasks check molt_lightning/tasks/terminal": (
+        "run", "tests/test_tasks_check.py::test_the_shipped_tasks_check_clean_as_the_docs_show runs the check and "
+               "holds the table shown to what it prints"),
+    "docs/agents.md: molt tasks check my-tasks": (
+        "no", "a task set of the user's; tests/test_tasks_check.py::"
+              "test_a_broken_set_is_listed_whole_each_problem_with_its_fix_and_fails checks a broken one"),
 }
 
 

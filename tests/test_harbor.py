@@ -131,7 +131,7 @@ def test_every_example_task_reads_as_written():
         assert t.instruction == (t.path / "instruction.md").read_text().strip() and len(t.instruction) < 160
         assert t.environment == t.path / "environment" and t.tests == t.path / "tests"
         assert t.metadata["family"] == t.path.name.rsplit("-", 1)[0]
-        assert 1 <= len(solution_commands(t)) <= 2
+        assert solution_commands(t) == [(t.solution / "solve.sh").read_text().removeprefix("#!/bin/bash\n").strip()]
         assert (t.environment / "Dockerfile").read_text().startswith("FROM localhost/debian:bookworm-minbase\n"
                                                                       "WORKDIR /app\n")
     assert {t.name for t in found if t.metadata["split"] == "heldout"} == HELD_OUT

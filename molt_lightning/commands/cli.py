@@ -66,11 +66,12 @@ COMMANDS = {  # molt's commands, one line each (`molt --help`); LightningCLI's v
     "export": "a checkpoint of molt fit as a Hugging Face folder (molt export CKPT OUT)",
     "serve": "a vLLM server for RemoteVLLMEngine and EnginePool (molt serve --policy FOLDER)",
     "sft": "supervised fine-tuning on conversations (molt sft --config recipes/sft_tiny.yaml)",
+    "tasks": "check a Harbor task set: broken tasks, solution and empty rewards (molt tasks check FOLDER...)",
     "view": "a run browser: curves, steps, every token of the samples (molt view runs/default/version_0)",
 }
 # `molt serve` (a vLLM server for the remote engine), `molt export CKPT OUT` (a Hugging Face folder), `molt view
 # RUN_DIR...` (the run browser, outside fit's imports: scripts/size.py)
-OWN_PARSERS = {"serve": ".serve", "export": ".export", "view": "..view.server"}
+OWN_PARSERS = {"serve": ".serve", "export": ".export", "view": "..view.server", "tasks": ".tasks"}
 _UNKNOWN = re.compile(r"does not accept option '([^']+)'|unrecognized arguments: (\S+)|Option '([^']+)' is not acc")
 
 

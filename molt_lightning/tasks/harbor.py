@@ -1,23 +1,33 @@
 """Harbor-format terminal tasks as a task source, their tests as the reward.
 
 A Harbor task (harborframework.com/docs/tasks; fields and defaults as in the ``harbor`` package 0.26.0,
-``harbor/models/task/config.py``, ``task.py``, ``verifier/verifier.py``) is a folder: ``instruction.md`` (the prompt;
-leading canary lines, ``<!-- ...canary... -->`` or ``# ...canary...``, dropped as Harbor's ``strip_canary`` does),
-``task.toml``, ``environment/Dockerfile`` with its build context (the agent's container; optional with
-``[environment] docker_image``), ``tests/test.sh`` (the verifier: uploaded to ``/tests`` once the agent is done, it
-writes ``/logs/verifier/reward.txt``, a number, or ``reward.json``, named numbers) and optionally ``solution/solve.sh``.
-task.toml: ``schema_version`` (or ``version``; 1.0-1.4 known, another warns), ``[task] name`` (else the folder's),
-``[metadata]`` (free; ``split = "train" | "heldout"`` is read here), ``[agent] timeout_sec`` (Harbor's default: none),
-``[verifier] timeout_sec`` (600), ``[environment]`` ``cpus``, ``memory_mb`` (or ``memory = "4G"``), ``storage_mb``
-(or ``storage``), ``network_mode`` (or the deprecated ``allow_internet``; default public), ``docker_image``.
+``harbor/models/task/config.py``, ``task.py``, ``verifier/verifier.py``, ``agents/oracle.py``) is a folder:
+``instruction.md`` (the prompt; leading canary lines, ``<!-- ...canary... -->`` or ``# ...canary...``, dropped as
+Harbor's ``strip_canary`` does), ``task.toml``, ``environment/Dockerfile`` with its build context (the agent's
+container; optional with ``[environment] docker_image``), ``tests/test.sh`` (the verifier: uploaded to ``/tests`` once
+the agent is done, it writes ``/logs/verifier/reward.txt``, a number, or ``reward.json``, named numbers) and
+optionally ``solution/solve.sh``.
 
-``read_task`` reads a folder, ``harbor_tasks`` every task under some folders: one ``HarborTaskError`` with every
-problem, each naming the folder, the problem and the fix. ``tasks(folders, split=...)`` is the run's ``tasks(seed)``.
-``verify(session, task)`` runs the tests in a shell session; a verifier that gives no reward raises
-``VerifierFailed`` (the run fails; it never scores 0). Rewards as Harbor reads them: ``reward.json`` before
-``reward.txt``, the exit code ignored when either exists; of ``reward.json``'s named numbers (Harbor keeps them apart)
-the ``reward``, else their mean. With neither file Harbor fails the trial; ``verify`` scores the exit code (0: 1.0,
-else 0.0) unless ``exit_code_reward=False``.
+task.toml, field by field (``docs/agents.md`` has the table): read: ``schema_version`` (or ``version``; 1.0-1.4 known,
+another warns), ``[task] name`` (an org/name, as Harbor requires; without ``[task]`` the folder's name), ``[metadata]``
+(free; ``split = "train" | "heldout"`` is read here). Honoured (``harbor_run`` applies them): ``[agent] timeout_sec``
+(Harbor's default: none), ``[verifier] timeout_sec`` (600), ``[environment] workdir``, ``env``, ``docker_image``,
+``[verifier] env``, ``[solution] env``, ``network_mode = "no-network"`` (or ``allow_internet = false``; left out, the
+sandbox has no network either, where Harbor's default is public). Requests, not limits: ``cpus`` (more than this
+machine has is refused, as Docker does), ``memory_mb`` (or ``memory = "4G"``), ``storage_mb`` (or ``storage``): the
+backend's own limits apply to each command. Refused, each with its fix (``_refused``): a network (``public``,
+``allowlist``, ``allowed_hosts``, ``allow_internet = true``, in any section), ``[agent]``/``[verifier] user``,
+``os`` other than linux, ``gpus``, ``gpu_types``, ``tpu``, ``mcp_servers``, ``healthcheck``, a separate verifier
+environment, ``[[verifier.collect]]``, ``[[steps]]``. No effect on an episode: ``[task]``'s other fields, ``source``,
+``artifacts``, ``build_timeout_sec`` (the backend's ``prepare_timeout_s`` applies), ``skills_dir`` (TerminalAgent
+reads no skills).
+
+``read_task`` reads a folder, ``scan`` every task under some folders and the problems of those that are broken,
+``harbor_tasks`` raises them: one ``HarborTaskError`` with every problem, each naming the folder, the problem and the
+fix. ``tasks(folders, split=...)`` is the run's ``tasks(seed)``; ``skip_broken=True`` trains on the tasks that read,
+the broken ones listed in a warning and counted (``HarborTasks.broken``). ``solution_commands`` is the reference
+solution as an agent would type it. Running a task in a sandbox (its environment, the oracle, ``verify``):
+``harbor_run``; ``molt tasks check`` does both for a task set (``commands.tasks``).
 """
 
 from __future__ import annotations
@@ -25,25 +35,26 @@ from __future__ import annotations
 import copy
 import fnmatch
 import hashlib
-import json
 import math
+import os
+import posixpath
 import random
 import re
-import shlex
-import signal
 import tomllib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .harbor_run import REWARD_JSON, REWARD_TXT, Verdict, VerifierFailed, _killed, resolve_env, verify  # noqa: F401
+
 EXAMPLES = Path(__file__).resolve().parent / "terminal"  # the example tasks (``terminal/make_tasks.py``)
 SCHEMA_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4")
 VERIFIER_TIMEOUT_S = 600.0  # Harbor's VerifierConfig.timeout_sec; its AgentConfig.timeout_sec defaults to None
 SPLITS = ("train", "heldout")
-REWARD_TXT, REWARD_JSON = "/logs/verifier/reward.txt", "/logs/verifier/reward.json"
 _CANARY = re.compile(r"^(<!--.*canary.*-->|#.*canary.*)$", re.IGNORECASE)
 _NETWORK = ("public", "no-network", "allowlist")
+_ORG_NAME = r"[a-zA-Z0-9][a-zA-Z0-9._-]*/[a-zA-Z0-9][a-zA-Z0-9._-]*"  # harbor's ORG_NAME_PATTERN
 
 
 class HarborTaskError(ValueError):
@@ -53,15 +64,6 @@ class HarborTaskError(ValueError):
         self.problems = list(problems)
         many = f"{len(problems)} problems with Harbor tasks:\n" + "\n".join(f"- {p}" for p in problems)
         super().__init__(problems[0] if len(problems) == 1 else many)
-
-
-class VerifierFailed(RuntimeError):
-    """No reward: ``kind`` is ``timeout``, ``crash`` (killed, or the session could not run the tests) or
-    ``bad_reward`` (a reward file that is empty, unparsable or not finite)."""
-
-    def __init__(self, kind: str, message: str):
-        self.kind, self.message = kind, message
-        super().__init__(f"{kind}: {message}")
 
 
 @dataclass(frozen=True)
@@ -80,16 +82,10 @@ class HarborTask:
     allow_internet: bool = True
     docker_image: str | None = None
     metadata: dict = field(default_factory=dict, compare=False, hash=False)
-
-
-@dataclass
-class Verdict:
-    reward: float
-    how: str  # "reward.txt", "reward.json" or "exit code"
-    output: str
-    exit_code: int | None
-    seconds: float
-    rewards: dict[str, float] = field(default_factory=dict)  # reward.json's named numbers
+    workdir: str | None = None  # [environment] workdir: where commands, solve.sh and test.sh run (None: WORKDIR's)
+    env: dict = field(default_factory=dict, compare=False, hash=False)  # [environment] env (templates, unresolved)
+    verifier_env: dict = field(default_factory=dict, compare=False, hash=False)  # [verifier] env
+    solution_env: dict = field(default_factory=dict, compare=False, hash=False)  # [solution] env
 
 
 def strip_canary(text: str) -> str:
@@ -101,7 +97,8 @@ def strip_canary(text: str) -> str:
 
 
 def read_task(path: str | Path) -> HarborTask:
-    """The task in folder ``path``; ``HarborTaskError`` listing every problem found in it."""
+    """The task in folder ``path``; ``HarborTaskError`` listing every problem found in it, the fields refused here
+    (``_refused``) included."""
     path, problems, config = Path(path), [], {}
 
     def bad(problem: str, fix: str) -> None:
@@ -117,10 +114,10 @@ def read_task(path: str | Path) -> HarborTask:
             config = tomllib.loads((path / "task.toml").read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             bad(f"task.toml does not parse ({e})", "fix the TOML there")
-    for key in (sections := ("task", "metadata", "agent", "verifier", "environment")):
+    for key in (sections := ("task", "metadata", "agent", "verifier", "environment", "solution")):
         if not isinstance(config.get(key, {}), dict):
             bad(f"task.toml's {key} is {config.pop(key)!r}, not a table", f"write it as a [{key}] section")
-    task, meta, agent, verifier, env = (config.get(k, {}) for k in sections)
+    task, meta, agent, verifier, env, solution = (config.get(k, {}) for k in sections)
 
     def number(section: dict, where: str, key: str, default, unit: str = "seconds", example: str = "30"):
         value = section.get(key)
@@ -143,18 +140,38 @@ def read_task(path: str | Path) -> HarborTask:
             bad(f"[environment] {key} = {given!r} and {key}_mb = {mb:g} disagree", f"keep only {key}_mb")
         return parsed
 
+    def variables(section: dict, where: str) -> dict[str, str]:
+        table = section.get("env", {})
+        if not isinstance(table, dict) or not all(isinstance(v, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)
+                                                  for k, v in table.items()):
+            bad(f"[{where}] env = {table!r} is not a table of variable names to strings",
+                f'write it as a [{where}.env] section of lines NAME = "value"')
+            return {}
+        try:
+            resolve_env(table)
+        except ValueError as e:
+            bad(f"[{where}] env: {e}", "export it where molt runs, or give the value a default (${NAME:-value})")
+        return dict(table)
+
     version = config.get("schema_version", config.get("version"))
     if version is not None and str(version) not in SCHEMA_VERSIONS:
         warnings.warn(f"Harbor task {path}: task.toml schema_version {version!r} is not one this reader knows "
                       f"({', '.join(SCHEMA_VERSIONS)}); read as 1.4", stacklevel=2)
-    name = task.get("name", path.name)
-    if not isinstance(name, str) or not name.strip():
-        bad(f"[task] name = {name!r} is no name", 'write e.g. name = "org/my-task", or leave it out (the folder name)')
+    name = task.get("name") if "task" in config else path.name  # Harbor: [task] needs a name, an org/name
+    if not isinstance(name, str) or "task" in config and (not re.fullmatch(_ORG_NAME, name) or ".." in name):
+        bad(f"[task] name = {name!r} is no org/name", 'write e.g. name = "org/my-task" (letters, digits, ".", "_" '
+            'and "-"), or drop [task]: the folder name is the name then')
         name = path.name
+    if meta.get("split", "train") not in SPLITS:
+        bad(f"[metadata] split = {meta['split']!r}", 'use "train" or "heldout" (or none: a stable 20% is held out)')
     network, internet, image = env.get("network_mode"), env.get("allow_internet"), env.get("docker_image")
     if network not in (None, *_NETWORK) or internet not in (None, True, False):
         bad(f"[environment] network_mode = {network!r}, allow_internet = {internet!r}",
             f"set network_mode to one of {', '.join(_NETWORK)} (allow_internet: true or false)")
+    if (workdir := env.get("workdir")) is not None and not (isinstance(workdir, str) and workdir.startswith("/")):
+        bad(f"[environment] workdir = {workdir!r} is no absolute path", 'write e.g. workdir = "/app"')
+        workdir = None
+    _refused(config, bad)
     instruction = ""
     if not (path / "instruction.md").is_file():
         bad("no instruction.md", "write the agent's prompt in it")
@@ -176,10 +193,51 @@ def read_task(path: str | Path) -> HarborTask:
         solution=path / "solution" if (path / "solution" / "solve.sh").is_file() else None,
         cpus=number(env, "environment", "cpus", None, "CPUs", "1"), memory_mb=size("memory"),
         storage_mb=size("storage"), docker_image=image if isinstance(image, str) else None, metadata=dict(meta),
-        allow_internet=network == "public" if network in _NETWORK else internet is not False)
+        allow_internet=network == "public" if network in _NETWORK else internet is not False,
+        workdir=workdir and posixpath.normpath(workdir), env=variables(env, "environment"),
+        verifier_env=variables(verifier, "verifier"), solution_env=variables(solution, "solution"))
     if problems:
         raise HarborTaskError(problems)
     return result
+
+
+def _refused(config: dict, bad) -> None:
+    """Each field of harbor 0.26's task.toml that would change an episode and that no sandbox here gives (the module
+    docstring lists them), as a problem with its fix."""
+    agent, verifier, env = (config.get(k) if isinstance(config.get(k), dict) else {}
+                            for k in ("agent", "verifier", "environment"))
+    offline = 'set network_mode = "no-network" (`molt tasks check` shows whether the solution and tests need none)'
+    if config.get("steps") or config.get("multi_step_reward_strategy"):
+        bad("[[steps]]: a multi-step task", "make each step a task of its own (one instruction.md, one tests/)")
+    for where, section in (("agent", agent), ("verifier", verifier)):
+        if section.get("user") is not None:
+            bad(f"[{where}] user = {section['user']!r}: commands run as a fresh unprivileged user of the sandbox",
+                "remove it (make what the commands must change writable for any user in the Dockerfile)")
+        if section.get("network_mode") not in (None, "no-network") or section.get("allowed_hosts"):
+            bad(f"[{where}] network_mode = {section.get('network_mode')!r}: the sandbox has no network", offline)
+    network = env.get("network_mode", {True: "public", False: "no-network"}.get(env.get("allow_internet")))
+    if network in ("public", "allowlist") or env.get("allowed_hosts"):
+        said = f"allowed_hosts = {env['allowed_hosts']!r}" if env.get("allowed_hosts") else \
+            f"network_mode = {network!r}" if "network_mode" in env else "allow_internet = true"
+        bad(f"[environment] {said}: the sandbox has no network", offline)
+    if str(env.get("os", "linux")).lower() != "linux":
+        bad(f"[environment] os = {env['os']!r}: the sandboxes here run Linux", 'use a Linux image (os = "linux")')
+    for key in ("gpus", "gpu_types", "tpu"):
+        if env.get(key):  # gpus = 0 asks for none
+            bad(f"[environment] {key} = {env[key]!r}: the sandbox has no accelerator", f"remove {key}")
+    if env.get("mcp_servers"):
+        bad("[[environment.mcp_servers]]: TerminalAgent has no MCP client", "remove them (its tool is the shell)")
+    if env.get("healthcheck") is not None:
+        bad("[environment.healthcheck]: nothing runs beside the episode's commands (no CMD, no service: nothing "
+            "outlives a command)", "remove it")
+    if verifier.get("environment_mode") == "separate" or verifier.get("environment") is not None:
+        bad("[verifier] environment_mode = 'separate' ([verifier.environment]): the tests run in the agent's sandbox "
+            "once it is done", "remove it (Harbor's 'shared')")
+    if verifier.get("collect"):
+        bad("[[verifier.collect]]: no compose services here", "remove them (tests/test.sh reads the sandbox's files)")
+    cpus = env.get("cpus")
+    if isinstance(cpus, (int, float)) and not isinstance(cpus, bool) and cpus > (os.cpu_count() or 1):
+        bad(f"[environment] cpus = {cpus}: this machine has {os.cpu_count()}", "lower it (Docker refuses more too)")
 
 
 def _task_folders(folder: Path, seen: set[Path]) -> list[Path]:
@@ -192,35 +250,44 @@ def _task_folders(folder: Path, seen: set[Path]) -> list[Path]:
             for t in _task_folders(d, seen)]
 
 
-def harbor_tasks(*folders: str | Path, pattern: str | None = None) -> list[HarborTask]:
-    """Every task under ``folders`` (a folder with task.toml or instruction.md; a given folder may be one; hidden
-    ones skipped), sorted by name; ``pattern`` (a glob) keeps those whose name or folder name matches (a task that
-    cannot be read: its folder name). Every problem is raised together."""
-    problems, found, seen, by_name = [], [], set(), {}
+def scan(*folders: str | Path, pattern: str | None = None) -> tuple[list[HarborTask], dict[Path | None, list[str]]]:
+    """Every task under ``folders`` that reads (a folder with task.toml or instruction.md; a given folder may be one;
+    hidden ones skipped), sorted by name, and the problems: by broken task's folder (each problem naming the fix; of
+    two tasks of one name the second), None for those that are no task's (a folder not there, nothing found).
+    ``pattern`` (a glob) keeps the tasks whose name or folder name matches (a broken task: its folder name)."""
+    problems, found, seen, by_name = {}, [], set(), {}
     for folder in map(Path, folders):
         if folder.is_dir():
             found += _task_folders(folder, seen)
         else:
-            problems.append(f"Harbor tasks: {folder} is no folder: give a task folder or a folder of task folders")
+            problems.setdefault(None, []).append(f"Harbor tasks: {folder} is no folder: give a task folder or a "
+                                                 "folder of task folders")
     for folder in found:
         try:
             task = read_task(folder)
         except HarborTaskError as e:
-            problems += e.problems if pattern is None or fnmatch.fnmatch(folder.name, pattern) else []
+            if pattern is None or fnmatch.fnmatch(folder.name, pattern):
+                problems[folder] = e.problems
             continue
         if pattern is not None and not (fnmatch.fnmatch(task.name, pattern) or fnmatch.fnmatch(folder.name, pattern)):
             continue
         if task.name in by_name:
-            problems.append(f"Harbor tasks {by_name[task.name].path} and {folder} are both named {task.name!r}: give "
-                            "one of them another [task] name")
+            problems[folder] = [f"Harbor tasks {by_name[task.name].path} and {folder} are both named {task.name!r}: "
+                                "give one of them another [task] name"]
         by_name.setdefault(task.name, task)
     if not problems and not by_name:
-        problems.append(f"no Harbor task under {', '.join(map(str, folders)) or '(no folder given)'}"
-                        + (f" matching {pattern!r}" if pattern else "")
-                        + ": give folders holding task folders (each with task.toml and instruction.md)")
+        problems[None] = [f"no Harbor task under {', '.join(map(str, folders)) or '(no folder given)'}"
+                          + (f" matching {pattern!r}" if pattern else "")
+                          + ": give folders holding task folders (each with task.toml and instruction.md)"]
+    return [by_name[n] for n in sorted(by_name)], problems
+
+
+def harbor_tasks(*folders: str | Path, pattern: str | None = None) -> list[HarborTask]:
+    """``scan``'s tasks; its problems, all of them, raised together."""
+    found, problems = scan(*folders, pattern=pattern)
     if problems:
-        raise HarborTaskError(problems)
-    return [by_name[n] for n in sorted(by_name)]
+        raise HarborTaskError([p for ps in problems.values() for p in ps])
+    return found
 
 
 def split_of(task: HarborTask, heldout_fraction: float = 0.2) -> str:
@@ -244,18 +311,23 @@ def sample_of(task: HarborTask, split: str, source: str = "harbor") -> dict[str,
 class HarborTasks:
     """The run's ``tasks(seed)`` over Harbor tasks: an epoch is every task of ``split`` (None: all, "train",
     "heldout": ``split_of``) once, shuffled by the seed. ``keys``/``exclude`` serve ``Evaluate``'s overlap rule, which
-    compares prompts (``messages``): tasks with one instruction are one prompt there (a warning says so)."""
+    compares prompts (``messages``): tasks with one instruction are one prompt there (a warning says so).
+    A broken task fails the whole source, with every problem, unless ``skip_broken``: then the tasks that read are
+    the source, and the broken ones (``broken``: folder -> problems) are listed in a warning, counted."""
 
     def __init__(self, folders: str | Path | list = EXAMPLES, split: str | None = None, pattern: str | None = None,
-                 heldout_fraction: float = 0.2, shuffle: bool = True, source: str = "harbor"):
+                 heldout_fraction: float = 0.2, shuffle: bool = True, source: str = "harbor",
+                 skip_broken: bool = False):
         folders = [folders] if isinstance(folders, (str, Path)) else list(folders)
         if split not in (None, *SPLITS):
             raise ValueError(f"Harbor tasks: split={split!r}: use None, 'train' or 'heldout'")
-        every = harbor_tasks(*folders, pattern=pattern)
-        wrong = [f"Harbor task {t.path}: [metadata] split = {t.metadata['split']!r}: use \"train\" or \"heldout\""
-                 for t in every if t.metadata.get("split", "train") not in SPLITS]
-        if wrong:
-            raise HarborTaskError(wrong)
+        every, problems = scan(*folders, pattern=pattern)
+        if problems and (not skip_broken or None in problems or not every):
+            raise HarborTaskError([p for ps in problems.values() for p in ps])
+        self.broken = problems
+        if problems:
+            warnings.warn(f"Harbor tasks: {len(problems)} broken tasks left out (skip_broken), {len(every)} read; "
+                          "fix each:\n" + "\n".join(f"- {p}" for ps in problems.values() for p in ps), stacklevel=2)
         self.tasks = [t for t in every if split is None or split_of(t, heldout_fraction) == split]
         if not self.tasks:
             raise HarborTaskError([f"no {split} task among the {len(every)} Harbor tasks under "
@@ -298,60 +370,16 @@ def tasks(folders: str | Path | list = EXAMPLES, split: str | None = None, **kwa
 
 
 def solution_commands(task: HarborTask) -> list[str]:
-    """The reference solution's commands: ``solve.sh`` without its shebang, comments and blank lines."""
+    """The reference solution as the command an agent would type (``RUN ...``: ``bash -c`` in the work folder):
+    ``solve.sh`` whole, one command, so that its loops, here-documents and ``cd`` act as written, without its leading
+    shebang, comment and blank lines (flags of a ``#!/bin/bash -e`` become ``set -e``); [] without a solution. A
+    script for another interpreter is refused: ``harbor_run.run_solution`` runs it as Harbor does."""
     lines = (task.solution / "solve.sh").read_text().splitlines() if task.solution else []
-    return [line for line in lines if line.strip() and not line.lstrip().startswith("#")]
-
-
-def _killed(code: int | None) -> str | None:
-    """How an exit code says the process was killed (None: unknown, negative or 128+N: signal N), else None."""
-    n = -1 if code is None else -code if code < 0 else code - 128 if 128 < code <= 192 else 0
-    name = {s.value: s.name for s in signal.Signals}.get(n, f"signal {n}")
-    return None if n == 0 else "killed" if n < 0 else f"killed by {name}"
-
-
-def _reward(raw: bytes, how: str, where: str) -> tuple[float, dict[str, float]]:
-    try:
-        text = raw.decode()
-        if not text.strip():
-            raise ValueError("it is empty")
-        data = json.loads(text) if how == "reward.json" else {"reward": float(text)}
-    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise VerifierFailed("bad_reward", f"{where}: {how} does not parse ({e}): {raw[:80]!r}") from None
-    if not isinstance(data, dict) or not data:
-        raise VerifierFailed("bad_reward", f"{where}: reward.json holds {raw[:80]!r}, not named numbers "
-                             '({"reward": 1.0})')
-    for key, value in data.items():
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise VerifierFailed("bad_reward", f"{where}: {how} gives {key} = {value!r}, not a finite number")
-    rewards = {k: float(v) for k, v in data.items()}
-    return rewards.get("reward", sum(rewards.values()) / len(rewards)), rewards
-
-
-async def verify(session, task: HarborTask | dict, *, exit_code_reward: bool = True) -> Verdict:
-    """Run ``task``'s tests in ``session`` (a shell session: ``run``, ``put``, ``read``, ``workdir``) once the agent
-    is done: stale reward files removed, ``tests/`` uploaded to ``/tests``, ``bash /tests/test.sh`` run from the work
-    folder within ``[verifier] timeout_sec``, the reward read (see the module docstring). ``task``: a ``HarborTask``
-    or a sample of ``HarborTasks``. Raises ``VerifierFailed`` when no reward comes of it."""
-    task = task if isinstance(task, HarborTask) else read_task(task["task_dir"])
-    where = f"the verifier of Harbor task {task.name}"
-    prep = await session.run(f"mkdir -p /logs/verifier && rm -f {REWARD_TXT} {REWARD_JSON}", timeout_s=30)
-    if prep.timed_out or prep.exit_code != 0:  # (/tests is put's to make: the sandbox's root may be read-only)
-        raise VerifierFailed("crash", f"{where}: could not prepare /logs/verifier (exit code "
-                             f"{prep.exit_code}{', timed out' if prep.timed_out else ''}): {prep.output[-300:]}")
-    await session.put(task.tests, "/tests")
-    limit = task.verifier_timeout_s
-    # "; exit $?": the shell outlives test.sh, so a signal that kills it shows as 128+N (no exec of the last command)
-    result = await session.run(f"cd {shlex.quote(session.workdir)} 2>/dev/null; bash /tests/test.sh; exit $?",
-                               timeout_s=limit)
-    if result.timed_out:
-        raise VerifierFailed("timeout", f"{where}: tests/test.sh ran past [verifier] timeout_sec = {limit:g} s")
-    if why := _killed(result.exit_code):
-        raise VerifierFailed("crash", f"{where}: tests/test.sh was {why}: {result.output[-300:]}")
-    for how, file in (("reward.json", REWARD_JSON), ("reward.txt", REWARD_TXT)):  # Harbor reads reward.json first
-        if (raw := await session.read(file)) is not None:
-            reward, rewards = _reward(raw, how, where)
-            return Verdict(reward, how, result.output, result.exit_code, result.seconds, rewards)
-    if not exit_code_reward:
-        raise VerifierFailed("bad_reward", f"{where}: tests/test.sh wrote neither {REWARD_TXT} nor {REWARD_JSON}")
-    return Verdict(float(result.exit_code == 0), "exit code", result.output, result.exit_code, result.seconds)
+    shebang = re.fullmatch(r"#!\s*(?:/usr/bin/env\s+)?(?:\S*/)?(bash|sh)((?:\s+-\w+)*)\s*", lines[0]) if lines else None
+    if lines and lines[0].startswith("#!") and shebang is None:
+        raise ValueError(f"Harbor task {task.name}: solution/solve.sh runs with {lines[0][2:].strip()!r}, not bash: an "
+                         "agent's commands run in bash (molt tasks check runs it as Harbor does)")
+    while lines and (not lines[0].strip() or lines[0].lstrip().startswith("#")):
+        lines.pop(0)
+    body = "\n".join(([f"set{shebang[2]}"] if shebang and shebang[2] else []) + lines).strip()
+    return [body] if body else []

@@ -3,13 +3,13 @@
 Each turn the policy writes one shell command (``RUN ls -l``) or ends (``DONE``, or anything that is not a command);
 the command runs in the episode's sandbox (``agents.tools.shell``: a fresh copy of the task's environment, no
 network, limits per command and per episode) and its output and exit code come back as a tool turn, never trained on.
-When the agent is done, the task's ``tests/`` run in the same sandbox (``harbor.verify``) and their reward is the
+When the agent is done, the task's ``tests/`` run in the same sandbox (``harbor_run.verify``) and their reward is the
 sample's. A verifier that hangs, crashes or writes no number fails the sample (counted by the rollout source, never a
 silent 0). Every command, its output and the verifier's output go to the sample's ``info`` (the run's sample log).
 
-The environment is prepared once per task (the backend caches it by content); an episode costs a start, its commands
-and a close. ``TerminalAgent(backend=BuildahBackend())`` runs the same tasks in buildah containers built from their
-Dockerfiles.
+The environment is prepared once per task (``harbor_run.prepare``: task.toml's workdir and env applied; the backend
+caches it by content); an episode costs a start, its commands and a close. ``TerminalAgent(backend=BuildahBackend())``
+runs the same tasks in buildah containers built from their Dockerfiles.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any
 
 from ..agents.client import AgentResult
 from ..agents.tools.shell import BubblewrapBackend, ShellBackend
-from .harbor import read_task, verify
+from .harbor import read_task
+from .harbor_run import EPISODE_S, prepare, verify
 
 PREFIX = "RUN "
-EPISODE_S = 600.0  # an episode's limit when the task sets none (Harbor's [agent] timeout_sec has no default)
 
 
 class TerminalAgent:
@@ -40,9 +40,9 @@ class TerminalAgent:
         self._prepared: dict[str, asyncio.Future] = {}  # task folder -> its prepared environment (once per task)
 
     async def _prepare(self, task):
-        key = str(task.environment)
+        key = str(task.path)
         if key not in self._prepared:
-            self._prepared[key] = asyncio.ensure_future(asyncio.to_thread(self.backend.prepare, task.environment))
+            self._prepared[key] = asyncio.ensure_future(asyncio.to_thread(prepare, self.backend, task))
         try:
             return await asyncio.shield(self._prepared[key])
         except Exception:
@@ -80,8 +80,8 @@ def observation(result, chars: int) -> str:
 
 
 def solution_dialogue(task) -> list[dict[str, str]]:
-    """A task's reference solution (``solution/solve.sh``) as the dialogue the agent would have: each command a turn
-    (these solutions print nothing: ``[exit 0]``), then ``DONE``."""
+    """A task's reference solution (``solution/solve.sh``) as the dialogue the agent would have: the script one
+    command (``harbor.solution_commands``; these solutions print nothing: ``[exit 0]``), then ``DONE``."""
     from .harbor import solution_commands
 
     return dialogue(task.instruction, solution_commands(task))
