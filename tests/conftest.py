@@ -23,6 +23,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one thread each (and in their subprocesses)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# lightning imported here: its loggers' handlers bind to the session's stderr, not to the capsys of the first test
+# that imports it (a later test's "Seed set to 0" then wrote to a closed file: test_cli.py run alone)
+import lightning  # noqa: E402,F401
 import pytest  # noqa: E402
 
 from suite import SHARED, names, text  # noqa: E402  (how the suite runs: tests/helpers/suite.py)
