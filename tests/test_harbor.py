@@ -290,6 +290,27 @@ def test_the_split_by_hash_and_bad_splits(tmp_path):
         HarborTasks(write_task(tmp_path / "one", "y", toml='[metadata]\nsplit = "train"\n'), split="heldout")
 
 
+
+def test_an_evaluation_of_harbor_tasks_naming_no_folders_follows_the_runs_own(tmp_path):
+    """recipes/terminal.yaml's Evaluate names no folders: with the run's tasks set to your folders, it evaluates
+    their held-out split, not the examples; tasks that name their folders are evaluated as given."""
+    from molt_lightning.callbacks import Evaluate
+
+    for i in range(20):
+        write_task(tmp_path / "mine", f"task-{i:02d}", instruction=f"Do my task {i}.")
+    train = HarborTasks(tmp_path / "mine", split="train")
+    evaluate = Evaluate(HarborTasks(split="heldout"), k=1)
+    assert all(s["task_dir"].startswith(str(EXAMPLES)) for s in evaluate.samples)  # before the fit: the examples
+    evaluate.select(train)
+    mine = HarborTasks(tmp_path / "mine", split="heldout")
+    assert sorted(s["task"] for s in evaluate.samples) == sorted(t.name for t in mine.tasks)
+    named = Evaluate(HarborTasks(EXAMPLES, split="heldout"), k=1)
+    named.select(train)
+    assert all(s["task_dir"].startswith(str(EXAMPLES)) for s in named.samples)
+    examples = Evaluate(HarborTasks(split="heldout"), k=1)
+    examples.select(HarborTasks(split="train"))  # the examples both sides: unchanged
+    assert len(examples.samples) == len(HarborTasks(split="heldout"))
+
 # ----- verify -----
 @pytest.mark.parametrize("test, reward, how", [
     ("echo 0.25 > /logs/verifier/reward.txt\n", 0.25, "reward.txt"),

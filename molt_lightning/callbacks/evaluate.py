@@ -103,7 +103,13 @@ class Evaluate(L.Callback):
     def select(self, train_tasks, fitting: bool = True) -> None:
         """Settle the held-out prompts against the training tasks (``overlap``, see the module docstring; only a
         ``data.Tasks`` can tell), then keep the first ``max_prompts``; outside a fit (``molt eval``) training gives
-        nothing up, so the set is the one a fit would evaluate."""
+        nothing up, so the set is the one a fit would evaluate. Tasks that follow the run's (``held_out_of``: Harbor
+        tasks that name no folders) are first replaced by the held-out part of the run's own."""
+        follow = getattr(self.tasks, "held_out_of", None)
+        if follow is not None and (tasks := follow(train_tasks)) is not self.tasks:
+            log.warning("evaluation: on the held-out tasks of the run's own folders (%d)", len(tasks))
+            self.tasks = tasks
+            self.samples = self.held_out()
         chats = "messages" in self.samples[0]
         if self.overlap == "drop_from_eval" and callable(getattr(train_tasks, "keys", None)) and chats:
             seen = train_tasks.keys()

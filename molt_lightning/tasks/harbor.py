@@ -315,10 +315,13 @@ class HarborTasks:
     A broken task fails the whole source, with every problem, unless ``skip_broken``: then the tasks that read are
     the source, and the broken ones (``broken``: folder -> problems) are listed in a warning, counted."""
 
-    def __init__(self, folders: str | Path | list = EXAMPLES, split: str | None = None, pattern: str | None = None,
+    def __init__(self, folders: str | Path | list | None = None, split: str | None = None, pattern: str | None = None,
                  heldout_fraction: float = 0.2, shuffle: bool = True, source: str = "harbor",
                  skip_broken: bool = False):
-        folders = [folders] if isinstance(folders, (str, Path)) else list(folders)
+        self.named = folders is not None  # None: the examples (an Evaluate's: the run's folders, ``held_out_of``)
+        folders = [EXAMPLES] if folders is None else [folders] if isinstance(folders, (str, Path)) else list(folders)
+        self.folders, self.options = folders, dict(pattern=pattern, heldout_fraction=heldout_fraction,
+                                                   source=source, skip_broken=skip_broken)
         if split not in (None, *SPLITS):
             raise ValueError(f"Harbor tasks: split={split!r}: use None, 'train' or 'heldout'")
         every, problems = scan(*folders, pattern=pattern)
@@ -348,6 +351,13 @@ class HarborTasks:
         if self.shuffle:
             random.Random(seed).shuffle(order)
         return (copy.deepcopy(self.samples[i]) for i in order)  # copies: agents may write into their sample
+
+    def held_out_of(self, train) -> HarborTasks:
+        """What an ``Evaluate`` of these tasks measures beside the run's ``train`` tasks: these, unless they name no
+        folders and the run trains on Harbor tasks of its own folders: then those folders' held-out split."""
+        if self.named or not isinstance(train, HarborTasks) or not train.named:
+            return self
+        return HarborTasks(train.folders, split="heldout", **train.options)
 
     def keys(self) -> set[str]:
         from ..data.sources import prompt_key  # (lazily: the data package imports the run's config)
