@@ -372,7 +372,7 @@ def test_a_bad_reward_fails(tmp_path, write):
 def test_verify_takes_a_sample(tmp_path):
     sample = next(iter(tasks(split="train")(0)))
     shell = FakeShell(tmp_path)
-    assert asyncio.run(verify(shell, sample)).reward == 0.0  # nothing was done
+    assert asyncio.run(verify(shell, read_task(sample["task_dir"]))).reward == 0.0  # nothing was done
 
 
 # ----- the example tasks -----

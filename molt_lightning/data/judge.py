@@ -337,8 +337,7 @@ class Judge:
                 await asyncio.to_thread(aux.start)
             ids = aux.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5: a BatchEncoding
-            out = await aux.generate(ids, Sampling(max_tokens=self.max_tokens, temperature=self.temperature,
-                                                   seed=seed))
+            out = await aux.generate(ids, Sampling(max_tokens=self.max_tokens, temperature=self.temperature, seed=seed))
             return aux.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         except AuxiliaryFailed as e:
             raise JudgeFailed(e.kind, str(e)) from e
@@ -381,8 +380,7 @@ class Judge:
         except ValueError:
             raise JudgeFailed("http_error", f"{who} answered no JSON: {_short(text)!r}") from None
         except (KeyError, IndexError, TypeError) as e:
-            raise JudgeFailed("http_error", f"{who} answered something other than the OpenAI shape "
-                              f"({type(e).__name__}: {e})") from e
+            raise JudgeFailed("http_error", f"{who} answered no OpenAI shape ({type(e).__name__}: {e})") from e
 
 
 def check_judges(*holders) -> int:

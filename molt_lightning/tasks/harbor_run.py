@@ -33,10 +33,6 @@ import signal
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .harbor import HarborTask
 
 REWARD_TXT, REWARD_JSON = "/logs/verifier/reward.txt", "/logs/verifier/reward.json"
 EPISODE_S = 600.0  # an episode's limit when the task sets none (Harbor's [agent] timeout_sec has no default)
@@ -99,15 +95,12 @@ def _reward(raw: bytes, how: str, where: str) -> tuple[float, dict[str, float]]:
     return rewards.get("reward", sum(rewards.values()) / len(rewards)), rewards
 
 
-async def verify(session, task: HarborTask | dict, *, exit_code_reward: bool = True) -> Verdict:
+async def verify(session, task, *, exit_code_reward: bool = True) -> Verdict:
     """Run ``task``'s tests in ``session`` (a shell session: ``run``, ``put``, ``read``, ``workdir``) once the agent
     is done: stale reward files removed, ``tests/`` uploaded to ``/tests``, ``bash /tests/test.sh`` run from the work
     folder with ``[verifier] env`` within ``[verifier] timeout_sec``, the reward read (see the module docstring).
-    ``task``: a ``HarborTask`` or a sample of ``HarborTasks``. Raises ``VerifierFailed`` when no reward comes of it."""
-    if isinstance(task, dict):
-        from .harbor import read_task  # (lazily: harbor imports this module)
-
-        task = read_task(task["task_dir"])
+    ``task``: a ``harbor.HarborTask`` (this module does not import harbor, which re-exports it). Raises
+    ``VerifierFailed`` when no reward comes of it."""
     where = f"the verifier of Harbor task {task.name}"
     prep = await session.run(f"mkdir -p /logs/verifier && rm -f {REWARD_TXT} {REWARD_JSON}", timeout_s=30)
     if prep.timed_out or prep.exit_code != 0:  # (/tests is put's to make: the sandbox's root may be read-only)
@@ -137,7 +130,7 @@ def _assign(env: dict[str, str]) -> str:
     return "".join(f"{name}={shlex.quote(value)} " for name, value in env.items())
 
 
-async def run_solution(session, task: HarborTask):
+async def run_solution(session, task):
     """Run ``task``'s ``solution/solve.sh`` in ``session`` as Harbor's oracle does (see the module docstring); the
     session's ``ShellResult`` (its output, exit code, whether it ran past ``[agent] timeout_sec``)."""
     if task.solution is None:
@@ -148,7 +141,7 @@ async def run_solution(session, task: HarborTask):
                              timeout_s=task.agent_timeout_s or EPISODE_S)
 
 
-def prepare(backend, task: HarborTask):
+def prepare(backend, task):
     """``backend.prepare`` of ``task``'s environment with task.toml's workdir, env and docker_image applied (see the
     module docstring): the ``Prepared`` that ``backend.start`` takes. Raises the backend's ``PrepareError``."""
     from ..agents.tools.shell import PrepareError  # (lazily: the sandbox's module imports the agents package)
