@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+from ab import alternate, fit_default  # (benchmarks/ab.py)
+
 DEFAULT_S_PER_STEP = 0.198  # the default run's median with vLLM (docs/speed.md, the Intel draw)
 HOOK: list[float] = []  # s per call of RunTrace.on_train_batch_end, trainer's thread ("on" rounds)
 WRITER: dict[str, float] = {"wall": 0.0, "cpu": 0.0, "steps": 0}  # the writer thread's build + write time
@@ -48,15 +50,8 @@ def timed_on_writer(fn):
 
 
 def run(variant: str, steps: int, warmup: int) -> tuple[list[float], list[float]]:
-    import lightning as L
-    import pandas as pd
-    from lightning.pytorch.loggers import CSVLogger
-
-    from molt_lightning import AsyncRLModule, Optim, Rollout
     from molt_lightning.algorithms import Algorithm
     from molt_lightning.callbacks.trace import FILENAME, RunTrace
-    from molt_lightning.engines import TorchEngine
-    from molt_lightning.tasks import arithmetic
 
     hook, submit, write = RunTrace.on_train_batch_end, RunTrace.submit, RunTrace.write
     if variant == "off":
@@ -73,26 +68,16 @@ def run(variant: str, steps: int, warmup: int) -> tuple[list[float], list[float]
         RunTrace.on_train_batch_end, RunTrace.submit = on_train_batch_end, timed_submit
         RunTrace.write = timed_on_writer(write)
     try:
-        module = AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, engine=TorchEngine(seed=0),
-                               rollout=Rollout(group_size=8, prompts_per_step=8, max_lag=1), optim=Optim(lr=3e-4),
-                               algo=Algorithm(advantage="grpo", scale_by_std=False, loss="ppo_clip", clip_low=0.2,
-                                              clip_high=0.2, tis_cap=2.0),
-                               torch_threads=1)
-        with tempfile.TemporaryDirectory() as tmp:
-            trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=CSVLogger(tmp, name=variant),
-                                log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                                enable_model_summary=False)
-            trainer.fit(module)
-            df = pd.read_csv(f"{trainer.logger.log_dir}/metrics.csv")
-            data = (Path(trainer.logger.log_dir) / FILENAME).read_bytes()
+        compute, wall = fit_default(variant, steps, warmup, Algorithm(
+            advantage="grpo", scale_by_std=False, loss="ppo_clip", clip_low=0.2, clip_high=0.2, tis_cap=2.0),
+            keep=lambda log_dir: LAST.update(data=(Path(log_dir) / FILENAME).read_bytes()) if variant == "on" else None)
     finally:
         RunTrace.on_train_batch_end, RunTrace.submit, RunTrace.write = hook, submit, write
     if variant == "on":
+        data = LAST["data"]
         FILES.append((steps, len(data), len(gzip.decompress(data))))
         WRITER["steps"] += steps
-        LAST["data"] = data
-    df = df[df["step"] >= warmup]
-    return df["perf/train_compute_s"].dropna().tolist(), df["perf/step_time_s"].dropna().tolist()
+    return compute, wall
 
 
 def read_time(data: bytes, steps: int, tmp: str) -> tuple[int, float]:
@@ -117,13 +102,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=4)
     args = p.parse_args()
-    got = {"on": ([], []), "off": ([], [])}
-    for i in range(args.rounds):
-        for variant in ("off", "on") if i % 2 == 0 else ("on", "off"):
-            compute, wall = run(variant, args.steps, args.warmup)
-            got[variant][0].extend(compute)
-            got[variant][1].extend(wall)
-    med = {v: (statistics.median(c), statistics.median(w)) for v, (c, w) in got.items()}
+    got, med = alternate(lambda variant: run(variant, args.steps, args.warmup), args.rounds)
     hook_ms = statistics.median(HOOK) * 1e3
     steps = sum(s for s, _, _ in FILES)
     packed, plain = sum(c for _, c, _ in FILES) / steps, sum(u for _, _, u in FILES) / steps

@@ -14,9 +14,9 @@ Usage: ``python benchmarks/step_record.py [--steps 20] [--rounds 3]``.
 from __future__ import annotations
 
 import argparse
-import statistics
-import tempfile
 import time
+
+from ab import alternate, fit_default  # (benchmarks/ab.py)
 
 PIECES: dict[str, list[float]] = {"selected": [], "StepRecord.start": [], "StepRecord.fill": [], "plan (x2)": []}
 
@@ -32,14 +32,7 @@ def timed(name: str, fn):
 
 
 def run(variant: str, steps: int, warmup: int) -> tuple[list[float], list[float]]:
-    import lightning as L
-    import pandas as pd
-    from lightning.pytorch.loggers import CSVLogger
-
-    from molt_lightning import AsyncRLModule, Optim, Rollout
     from molt_lightning import module as loop
-    from molt_lightning.engines import TorchEngine
-    from molt_lightning.tasks import arithmetic
     from molt_lightning.trainer import plan as plans
     from molt_lightning.trainer.record import StepRecord
 
@@ -50,19 +43,9 @@ def run(variant: str, steps: int, warmup: int) -> tuple[list[float], list[float]
         StepRecord.fill, loop.selected = timed("StepRecord.fill", fill), timed("selected", select)
         StepRecord.start, loop.plan = classmethod(timed("StepRecord.start", start.__func__)), timed("plan (x2)", plan)
     try:
-        module = AsyncRLModule(arithmetic.calculator_agent, arithmetic.tasks, engine=TorchEngine(seed=0),
-                               rollout=Rollout(group_size=8, prompts_per_step=8, max_lag=1), optim=Optim(lr=3e-4),
-                               torch_threads=1)
-        with tempfile.TemporaryDirectory() as tmp:
-            trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=CSVLogger(tmp, name=variant),
-                                log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                                enable_model_summary=False)
-            trainer.fit(module)
-            df = pd.read_csv(f"{trainer.logger.log_dir}/metrics.csv")
+        return fit_default(variant, steps, warmup)
     finally:
         StepRecord.fill, loop.selected, StepRecord.start, loop.plan = fill, select, start, plan
-    df = df[df["step"] >= warmup]
-    return df["perf/train_compute_s"].dropna().tolist(), df["perf/step_time_s"].dropna().tolist()
 
 
 def main() -> None:
@@ -71,13 +54,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    got = {"on": ([], []), "off": ([], [])}
-    for i in range(args.rounds):
-        for variant in ("off", "on") if i % 2 == 0 else ("on", "off"):
-            compute, wall = run(variant, args.steps, args.warmup)
-            got[variant][0].extend(compute)
-            got[variant][1].extend(wall)
-    med = {v: (statistics.median(c), statistics.median(w)) for v, (c, w) in got.items()}
+    got, med = alternate(lambda variant: run(variant, args.steps, args.warmup), args.rounds)
     print("| variant | train compute s/step (median) | wall s/step (median) | steps |")
     print("|---|---|---|---|")
     for v in ("off", "on"):
