@@ -68,10 +68,12 @@ COMMANDS = {  # molt's commands, one line each (`molt --help`); LightningCLI's v
     "sft": "supervised fine-tuning on conversations (molt sft --config recipes/sft_tiny.yaml)",
     "tasks": "check a Harbor task set: broken tasks, solution and empty rewards (molt tasks check FOLDER...)",
     "view": "a run browser: curves, steps, every token of the samples (molt view runs/default/version_0)",
+    "tinker": "the Tinker API for a model folder: the tinker SDK and tinker-cookbook run against it (molt tinker)",
 }
 # `molt serve` (a vLLM server for the remote engine), `molt export CKPT OUT` (a Hugging Face folder), `molt view
 # RUN_DIR...` (the run browser, outside fit's imports: scripts/size.py)
-OWN_PARSERS = {"serve": ".serve", "export": ".export", "view": "..view.server", "tasks": ".tasks"}
+OWN_PARSERS = {"serve": ".serve", "export": ".export", "view": "..view.server", "tasks": ".tasks",
+               "tinker": "..tinker.server"}
 _UNKNOWN = re.compile(r"does not accept option '([^']+)'|unrecognized arguments: (\S+)|Option '([^']+)' is not acc")
 
 
