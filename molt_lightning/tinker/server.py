@@ -304,6 +304,8 @@ class Server:
             return JSONResponse({"detail": str(e)}, status_code=404)
 
         def work(model: Model) -> bytes:
+            if fb.error is not None:
+                raise fb.error
             logprobs, metrics = model.forward_backward(fb)
             sampled = [self.versions[s] for d in fb.data for s, _, _ in d.sampled if s in self.versions]
             if sampled:  # how many optimizer steps behind the trained policy the sampled tokens' policy was

@@ -36,6 +36,7 @@ class ForwardBackward:
     config: dict[str, float | str]
     forward_only: bool
     data: list[Datum]
+    error: UserError | None = None  # a datum that cannot be read: the op fails in its turn (its seq_id is known)
 
 
 def read_forward_backward(body: bytes) -> ForwardBackward:
@@ -47,8 +48,12 @@ def read_forward_backward(body: bytes) -> ForwardBackward:
     config: dict[str, float | str] = dict(msg.loss_fn_config)
     for key, value in msg.loss_fn_config_v2.items():
         config[key] = value.text if value.WhichOneof("value") == "text" else value.number
-    return ForwardBackward(msg.model_id, msg.seq_id, msg.loss_fn, config, msg.forward_only,
-                           [_datum(d, i) for i, d in enumerate(msg.data)])
+    fb = ForwardBackward(msg.model_id, msg.seq_id, msg.loss_fn, config, msg.forward_only, [])
+    try:
+        fb.data = [_datum(d, i) for i, d in enumerate(msg.data)]
+    except UserError as e:
+        fb.error = e
+    return fb
 
 
 def _datum(d: pb.Datum, index: int) -> Datum:
