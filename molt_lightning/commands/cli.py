@@ -264,11 +264,11 @@ def main(args: list[str] | None = None) -> None:
         print(f"molt: no command {argv[0]!r}: the commands are {', '.join(COMMANDS)} (`molt --help` says what each "
               "does)", file=sys.stderr)
         sys.exit(2)
-    if argv[0] in OWN_PARSERS:  # serve, export, view: commands with a parser of their own, imported when run
-        return importlib.import_module(OWN_PARSERS[argv[0]], __package__).main(argv[1:])
     from ..extras import MissingExtra
 
     try:
+        if argv[0] in OWN_PARSERS:  # serve, export, view, tasks, tinker: their own parsers, imported when run
+            return importlib.import_module(OWN_PARSERS[argv[0]], __package__).main(argv[1:])
         if argv[:1] == ["eval"]:
             # `molt eval --config RECIPE`: the recipe's evaluation alone (molt_lightning.rollout.heldout)
             from .eval import main as evaluate
@@ -278,7 +278,7 @@ def main(args: list[str] | None = None) -> None:
             from .sft import main as sft
 
             return sft(argv[1:], MoltParser)
-    except MissingExtra as e:  # an extra the recipe needs (a SmolLM2 policy, reasoning-gym tasks): one line
+    except MissingExtra as e:  # an extra the recipe or command needs (a SmolLM2 policy, molt tinker): one line
         print(f"molt: {e}", file=sys.stderr)
         sys.exit(1)
     from ..callbacks.checkpoint import DiskFull

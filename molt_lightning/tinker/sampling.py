@@ -44,7 +44,10 @@ class Sampler:
     def kind(self) -> str:
         if self.snapshot is None:
             return "base"
-        return "full" if self.snapshot.adapter is None else json.dumps(self.snapshot.adapter.config, sort_keys=True)
+        if self.snapshot.adapter is None:
+            return "full"
+        config = self.snapshot.adapter.config  # what shapes the engine's adapter layers (in memory or read from disk)
+        return json.dumps([config["r"], config["lora_alpha"], sorted(config["target_modules"])])
 
 
 @dataclass

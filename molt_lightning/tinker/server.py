@@ -7,13 +7,9 @@ The routes and bodies are the SDK's (``tinker==0.38.0``: its source is the contr
 ``training_runs/{id}``, ``samplers/{id}``, health and capabilities. The full list, what is not served and why:
 docs/tinker.md.
 
-Futures: every training call and every sample answers ``{request_id}`` at once; ``retrieve_future`` holds the poll
-up to ``POLL_S`` for the result (the SDK re-polls a ``try_again`` at once, so an immediate answer would spin), then
-answers the result (protobuf for samples and forward_backward), ``{"error", "category"}`` (``user`` for a request
-that cannot run as asked: the client raises ``RequestFailedError`` and keeps working; ``server`` for a fault), or
-``try_again``. A user error is never a 5xx (the SDK retries those for minutes). A model's operations run one at a
-time in the order of their ``seq_id`` on one training thread (the SDK pipelines them: it submits the next before
-the last has finished); sampling runs on the engines' threads (``sampling``).
+Every training call and sample is a future (``futures``: a model's ops run on one training thread in ``seq_id``
+order; sampling on the engines' threads, ``sampling``). A request that cannot run as asked is a 400/404 with a
+``detail`` or a future's ``user`` error, never a 5xx (the SDK retries those for minutes).
 
 State under ``--state-dir``: ``runs/<model_id>/weights/<name>`` (``save_state``: adapter, optimizer, version),
 ``runs/<model_id>/sampler_weights/<name>`` (a sampler's frozen weights), and ``samples.jsonl`` (every sampled
@@ -26,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import re
 import secrets
@@ -36,42 +31,23 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from . import wire
-from .sampling import Pool, Sampler
-from .training import Model, Snapshot, read_meta
-from .wire import UserError
+from ..extras import require
 
-log = logging.getLogger("molt.tinker")
-POLL_S = 20.0  # the SDK's poll times out after 45 s
-KEEP_S = 600.0  # a finished future's result is kept this long
+require("tinker", "molt tinker", ("tinker", "peft"))  # before the modules that import them
+
+from . import wire  # noqa: E402
+from .futures import Futures, Ordered  # noqa: E402
+from .sampling import Pool, Sampler  # noqa: E402
+from .training import Model, Snapshot, read_meta  # noqa: E402
+from .wire import UserError  # noqa: E402
+
 PATH = re.compile(r"^tinker://([^/]+)/(weights|sampler_weights)/([A-Za-z0-9._-]+)$")
-
-
-@dataclass
-class Pending:
-    proto: bool  # its result goes back as protobuf
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    result: object = None
-    error: BaseException | None = None
-    at: float = 0.0
-
-
-@dataclass
-class Trained:
-    model: Model
-    session_id: str
-    next_seq: int = 1
-    ops: dict[int, tuple[Callable, str]] = field(default_factory=dict)  # seq_id -> (work, request id)
-    seen: dict[int, str] = field(default_factory=dict)  # seq_id -> request id: a resent op is not run twice
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    runner: asyncio.Task | None = None
 
 
 class NotFound(LookupError):
@@ -88,11 +64,11 @@ class Server:
         self.config = AutoConfig.from_pretrained(self.folder)
         self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
         self.sessions: dict[str, bool] = {}  # id -> finished
-        self.models: dict[str, Trained] = {}
+        self.models: dict[str, Ordered] = {}
         self.samplers: dict[str, Sampler] = {}
-        self.futures: dict[str, Pending] = {}
         self.versions: dict[str, int] = {}  # sequence id -> the policy version that sampled it
         self.trainer = ThreadPoolExecutor(1, thread_name_prefix="molt-tinker-train")
+        self.futures = Futures(self.trainer)
         self.pool = Pool(self.folder, self.tokenizer, engines_per_kind)
         os.makedirs(self.state_dir, exist_ok=True)
         self._samples = open(os.path.join(self.state_dir, "samples.jsonl"), "a")
@@ -143,72 +119,17 @@ class Server:
                 return JSONResponse({"detail": str(e)}, status_code=404)
         return handle
 
-    def _future(self, proto: bool = False, **extra) -> tuple[str, Pending, dict]:
-        now = time.monotonic()
-        for rid in [r for r, p in self.futures.items() if p.done.is_set() and now - p.at > KEEP_S]:
-            del self.futures[rid]
-        rid = uuid.uuid4().hex
-        self.futures[rid] = pending = Pending(proto)
-        return rid, pending, {"request_id": rid, **extra}
-
-    @staticmethod
-    def _finish(pending: Pending, result=None, error: BaseException | None = None) -> None:
-        if error is not None and not isinstance(error, UserError):
-            log.error("molt tinker: a request failed", exc_info=error)
-        pending.result, pending.error, pending.at = result, error, time.monotonic()
-        pending.done.set()
-
-    def _spawn(self, work, proto: bool = False, **extra) -> dict:
-        """A future resolved by the coroutine ``work``."""
-        rid, pending, answer = self._future(proto, **extra)
-
-        async def run():
-            try:
-                self._finish(pending, await work)
-            except Exception as e:
-                self._finish(pending, error=e)
-        asyncio.get_running_loop().create_task(run())
-        return answer
-
-    def _op(self, model_id: str, seq_id: int | None, work: Callable[[Model], object], proto: bool = False) -> dict:
-        """A future resolved by ``work(model)`` on the training thread, in the model's ``seq_id`` order."""
-        trained = self._trained(model_id)
-        seq = trained.next_seq + len(trained.ops) if seq_id is None else int(seq_id)
-        if seq in trained.seen:  # the SDK resent it (a timeout on its side): the same future
-            return {"request_id": trained.seen[seq]}
-        if seq < trained.next_seq:
-            raise UserError(f"seq_id {seq} of {model_id} is behind the next one ({trained.next_seq})")
-        rid, _, answer = self._future(proto)
-        trained.seen[seq] = rid
-        trained.ops[seq] = (work, rid)
-        trained.wake.set()
-        return answer
-
-    async def _run_ops(self, trained: Trained) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            while trained.next_seq not in trained.ops:
-                trained.wake.clear()
-                await trained.wake.wait()
-            work, rid = trained.ops.pop(trained.next_seq)
-            trained.seen.pop(trained.next_seq - 64, None)
-            trained.next_seq += 1
-            try:
-                self._finish(self.futures[rid], await loop.run_in_executor(self.trainer, work, trained.model))
-            except Exception as e:
-                self._finish(self.futures[rid], error=e)
-
-    def _trained(self, model_id: str) -> Trained:
+    def _trained(self, model_id: str) -> Ordered:
         if model_id not in self.models:
             raise NotFound(f"no model {model_id!r} on this server (models: {sorted(self.models) or 'none'}; a "
                            "restarted server keeps only saved state: load it with create_training_client_from_state)")
         return self.models[model_id]
 
-    def _register(self, model: Model, session_id: str) -> Trained:
-        trained = Trained(model, session_id)
-        trained.runner = asyncio.get_running_loop().create_task(self._run_ops(trained))
-        self.models[model.model_id] = trained
-        return trained
+    def _register(self, model: Model, session_id: str) -> None:
+        self.models[model.model_id] = self.futures.ordered(model, session_id)
+
+    def _op(self, model_id: str, seq_id: int | None, work: Callable[[Model], object], proto: bool = False) -> dict:
+        return self.futures.op(self._trained(model_id), seq_id, work, proto)
 
     async def _build(self, build: Callable[[], Model]) -> Model:
         return await asyncio.get_running_loop().run_in_executor(self.trainer, build)
@@ -217,22 +138,7 @@ class Server:
     async def retrieve_future(self, request: Request) -> Response:
         if (denied := self._denied(request)) is not None:
             return denied
-        rid = json.loads(await request.body() or b"{}").get("request_id")
-        pending = self.futures.get(rid)
-        if pending is None:  # 410: a sampling client submits again; a training client fails with this message
-            return JSONResponse({"detail": f"unknown request_id {rid!r}: the server restarted, or the result expired "
-                                           f"({KEEP_S:.0f} s after it was ready)"}, status_code=410)
-        try:
-            await asyncio.wait_for(asyncio.shield(pending.done.wait()), POLL_S)
-        except TimeoutError:
-            return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"})
-        if pending.error is not None:
-            user = isinstance(pending.error, UserError)
-            return JSONResponse({"error": str(pending.error) if user else f"molt tinker: {pending.error!r}",
-                                 "category": "user" if user else "server"})
-        if pending.proto:
-            return Response(pending.result, media_type="application/x-protobuf")
-        return JSONResponse(pending.result)
+        return await self.futures.retrieve(json.loads(await request.body() or b"{}").get("request_id"))
 
     # ----- sessions -----
     def client_config(self, body: dict) -> dict:
@@ -283,7 +189,7 @@ class Server:
                                                     targets, lora and lora.get("seed")))
             self._register(model, body["session_id"])
             return {"model_id": model_id, "type": "create_model"}
-        return self._spawn(create())
+        return self.futures.spawn(create())
 
     def get_info(self, body: dict) -> dict:
         model = self._trained(body["model_id"]).model
@@ -382,7 +288,7 @@ class Server:
             model = await self._build(lambda: Model.load(model_id, self.folder, checkpoint, with_optimizer))
             self._register(model, body["session_id"])
             return {"model_id": model_id, "path": body["path"], "type": "load_weights"}
-        return self._spawn(create())
+        return self.futures.spawn(create())
 
     def training_run(self, run_id: str) -> dict:
         trained = self.models.get(run_id)
@@ -402,7 +308,7 @@ class Server:
         path = body.get("model_path")
         if path:
             run, _, checkpoint = self._path(path)
-            self.samplers[sampler_id] = Sampler(sampler_id, _read_snapshot(checkpoint), run, path)
+            self.samplers[sampler_id] = Sampler(sampler_id, Snapshot.read(checkpoint), run, path)
         else:
             self._check_base(body.get("base_model") or self.folder)
             self.samplers[sampler_id] = Sampler(sampler_id, None)
@@ -444,30 +350,12 @@ class Server:
                                                 "versions": vers, "time": time.time()}) + "\n")
             self._samples.flush()
             return wire.sample_response(seqs, prompt_lps)
-        return self._spawn(sample(), proto=True, sample_sequence_ids=ids)
+        return self.futures.spawn(sample(), proto=True, sample_sequence_ids=ids)
 
     def close(self) -> None:
         self.pool.close()
         self.trainer.shutdown(wait=False, cancel_futures=True)
         self._samples.close()
-
-
-def _read_snapshot(checkpoint: str) -> Snapshot:
-    """A saved checkpoint's weights as a sampler's frozen snapshot (read from disk: it survives restarts)."""
-    import torch
-    from safetensors.torch import load_file
-
-    from ..policies.lora import Adapter
-
-    meta = read_meta(checkpoint)
-    if meta["rank"] is None:
-        from ..policies import load_lm
-
-        return Snapshot(load_lm(checkpoint, torch.float32).state_dict(), None, meta["version"])
-    with open(os.path.join(checkpoint, "adapter_config.json")) as f:
-        config = json.load(f)
-    return Snapshot(load_file(os.path.join(checkpoint, "adapter_model.safetensors")), Adapter(config),
-                    meta["version"])
 
 
 def main(argv: list[str]) -> int:

@@ -53,6 +53,21 @@ class Snapshot:
     adapter: lora_.Adapter | None
     version: int
 
+    @classmethod
+    def read(cls, checkpoint: str) -> Snapshot:
+        """A saved checkpoint's weights (read from disk: a sampler made from them survives restarts)."""
+        meta = read_meta(checkpoint)
+        if meta["rank"] is None:
+            from ..policies import load_lm
+
+            return cls(load_lm(checkpoint, torch.float32).state_dict(), None, meta["version"])
+        from safetensors.torch import load_file
+
+        with open(os.path.join(checkpoint, "adapter_config.json")) as f:
+            config = json.load(f)
+        return cls(load_file(os.path.join(checkpoint, "adapter_model.safetensors")), lora_.Adapter(config),
+                   meta["version"])
+
 
 def lora_targets(lm: nn.Module, attn: bool, mlp: bool, unembed: bool) -> list[str]:
     """The linear layers' names the client's ``lora_config`` asks for: those under an attention module, those under
