@@ -62,8 +62,8 @@ class Slot:
 
 
 class Pool:
-    def __init__(self, folder: str, tokenizer, per_kind: int = 2):
-        self.folder, self.tokenizer, self.per_kind = folder, tokenizer, per_kind
+    def __init__(self, folder: str, tokenizer, per_kind: int = 2, device: str = "cpu"):
+        self.folder, self.tokenizer, self.per_kind, self.device = folder, tokenizer, per_kind, device
         self.slots: list[Slot] = []
         self._changed = asyncio.Condition()
 
@@ -90,7 +90,7 @@ class Pool:
         return slot
 
     def _new(self, sampler: Sampler) -> Slot:
-        slot = Slot(TorchEngine(seed=len(self.slots)), sampler.kind)
+        slot = Slot(TorchEngine(device=self.device, seed=len(self.slots)), sampler.kind)
         self.slots.append(slot)
         return slot
 

@@ -56,11 +56,11 @@ class NotFound(LookupError):
 
 class Server:
     def __init__(self, folder: str, api_key: str, state_dir: str, engines_per_kind: int = 2,
-                 allow_full_weights: bool = False):
+                 allow_full_weights: bool = False, device: str = "cpu"):
         from transformers import AutoConfig, AutoTokenizer
 
         self.folder, self.key, self.state_dir = os.path.abspath(folder), api_key, os.path.abspath(state_dir)
-        self.allow_full = allow_full_weights
+        self.allow_full, self.device = allow_full_weights, device
         self.config = AutoConfig.from_pretrained(self.folder)
         self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
         self.sessions: dict[str, bool] = {}  # id -> finished
@@ -69,7 +69,7 @@ class Server:
         self.versions: dict[str, int] = {}  # sequence id -> the policy version that sampled it
         self.trainer = ThreadPoolExecutor(1, thread_name_prefix="molt-tinker-train")
         self.futures = Futures(self.trainer)
-        self.pool = Pool(self.folder, self.tokenizer, engines_per_kind)
+        self.pool = Pool(self.folder, self.tokenizer, engines_per_kind, device)
         os.makedirs(self.state_dir, exist_ok=True)
         self._samples = open(os.path.join(self.state_dir, "samples.jsonl"), "a")
 
@@ -186,7 +186,7 @@ class Server:
 
         async def create():
             model = await self._build(lambda: Model(model_id, self.folder, None if lora is None else int(lora["rank"]),
-                                                    targets, lora and lora.get("seed")))
+                                                    targets, lora and lora.get("seed"), self.device))
             self._register(model, body["session_id"])
             return {"model_id": model_id, "type": "create_model"}
         return self.futures.spawn(create())
@@ -277,7 +277,7 @@ class Server:
             model_id = body["model_id"]
 
             def work(model: Model) -> dict:
-                loaded = Model.load(model_id, self.folder, checkpoint, with_optimizer)
+                loaded = Model.load(model_id, self.folder, checkpoint, with_optimizer, self.device)
                 self.models[model_id].model = loaded
                 return {"path": body["path"], "type": "load_weights"}
             return self._op(model_id, body.get("seq_id"), work)
@@ -285,7 +285,8 @@ class Server:
         model_id = f"{body['session_id']}:train:{body['model_seq_id']}"
 
         async def create():
-            model = await self._build(lambda: Model.load(model_id, self.folder, checkpoint, with_optimizer))
+            model = await self._build(lambda: Model.load(model_id, self.folder, checkpoint, with_optimizer,
+                                                         self.device))
             self._register(model, body["session_id"])
             return {"model_id": model_id, "path": body["path"], "type": "load_weights"}
         return self.futures.spawn(create())
@@ -370,6 +371,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--state-dir", default="runs/tinker", help="checkpoints and the sample record")
     parser.add_argument("--engines-per-kind", type=int, default=2, help="sampling engines per adapter shape")
     parser.add_argument("--allow-full-weights", action="store_true", help="serve training clients without LoRA")
+    parser.add_argument("--device", default="cpu", help="where the trained model and the engines run (cuda: a GPU)")
     args = parser.parse_args(argv)
     key = args.api_key or f"tml-{secrets.token_urlsafe(24)}"
     if not key.startswith("tml-"):
@@ -378,7 +380,8 @@ def main(argv: list[str]) -> int:
 
     from ..trainer.policy import policy_folder
 
-    server = Server(policy_folder(args.policy), key, args.state_dir, args.engines_per_kind, args.allow_full_weights)
+    server = Server(policy_folder(args.policy), key, args.state_dir, args.engines_per_kind, args.allow_full_weights,
+                    args.device)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

@@ -87,7 +87,7 @@ def lora_targets(lm: nn.Module, attn: bool, mlp: bool, unembed: bool) -> list[st
 
 class Model:
     def __init__(self, model_id: str, folder: str, rank: int | None, targets: dict[str, bool] | None = None,
-                 seed: int | None = None):
+                 seed: int | None = None, device: str = "cpu"):
         self.model_id, self.folder, self.rank = model_id, folder, rank
         self.targets = targets or {"attn": True, "mlp": True, "unembed": True}
         spec = None
@@ -103,6 +103,8 @@ class Model:
         if seed is not None:
             torch.manual_seed(seed)
         self.lm, self.tokenizer = trainable_lm(folder, torch.float32, lora=spec)
+        self.device = device
+        self.lm.to(device)
         self.params = [p for p in self.lm.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
         self.version = 0
@@ -140,7 +142,7 @@ class Model:
                     loss.backward()
             total += float(loss.detach())
             for j, i in enumerate(rows):
-                out[i] = lp[j, :fb.data[i].tokens.size].detach().numpy()
+                out[i] = lp[j, :fb.data[i].tokens.size].detach().cpu().numpy()
         return out, {"loss:sum": total}
 
     def _loss(self, data: list[Datum], loss_fn: str, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,10 +150,11 @@ class Model:
 
         def padded(key: str | None, dtype) -> torch.Tensor:  # (B, T)
             rows = [d.tokens if key is None else d.inputs[key] for d in data]
-            return torch.stack([torch.as_tensor(np.pad(r, (0, width - r.size))).to(dtype) for r in rows])
+            padded = [torch.as_tensor(np.pad(r, (0, width - r.size))).to(dtype) for r in rows]
+            return torch.stack(padded).to(self.device)
 
         ids, targets = padded(None, torch.long), padded("target_tokens", torch.long)
-        mask = torch.stack([torch.arange(width) < d.tokens.size for d in data])  # (B, T)
+        mask = torch.stack([torch.arange(width) < d.tokens.size for d in data]).to(self.device)  # (B, T)
         lp = target_logprobs(self.lm, ids, mask, targets)  # (B, T), 0 on padding
         if loss_fn == "cross_entropy":
             weights = padded("weights", torch.float32) if "weights" in data[0].inputs else mask.float()
@@ -187,7 +190,8 @@ class Model:
             state = get_peft_model_state_dict(self.lm, save_embedding_layers=False)  # the adapter only
         else:
             state = self.lm.state_dict()
-        return Snapshot({k: v.detach().clone() for k, v in state.items()}, lora_.adapter_of(self.lm), self.version)
+        return Snapshot({k: v.detach().to("cpu", copy=True) for k, v in state.items()}, lora_.adapter_of(self.lm),
+                        self.version)
 
     def meta(self) -> dict:
         return {"base_model": self.folder, "rank": self.rank, "targets": self.targets, "version": self.version,
@@ -216,9 +220,9 @@ class Model:
         shutil.rmtree(old, ignore_errors=True)
 
     @classmethod
-    def load(cls, model_id: str, folder: str, checkpoint: str, optimizer: bool) -> Model:
+    def load(cls, model_id: str, folder: str, checkpoint: str, optimizer: bool, device: str = "cpu") -> Model:
         meta = read_meta(checkpoint)
-        model = cls(model_id, folder, meta["rank"], meta["targets"])
+        model = cls(model_id, folder, meta["rank"], meta["targets"], device=device)
         if lora_.is_lora(model.lm):
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
@@ -232,7 +236,7 @@ class Model:
             if not meta.get("optimizer"):
                 raise UserError(f"{checkpoint} holds no optimizer state (a sampler's weights): load it without the "
                                 "optimizer, or load a save_state checkpoint")
-            state = torch.load(os.path.join(checkpoint, "optimizer.pt"), weights_only=True)
+            state = torch.load(os.path.join(checkpoint, "optimizer.pt"), weights_only=True, map_location=device)
             model.optimizer.load_state_dict(state["optimizer"])
         model.version = meta["version"]
         return model
