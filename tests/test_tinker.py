@@ -238,6 +238,17 @@ def test_bad_requests_get_the_sdks_errors_and_the_server_keeps_serving(served, c
     tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
 
 
+def test_the_docs_sdk_block_runs(served, monkeypatch, capsys):
+    """docs/tinker.md's SDK example, as written, with the two lines `molt tinker` prints exported."""
+    from tests.test_docs_run import python_block
+
+    monkeypatch.setenv("TINKER_BASE_URL", served[1])
+    monkeypatch.setenv("TINKER_API_KEY", KEY)
+    exec(compile(python_block("docs/tinker.md: import tinker"), "docs/tinker.md", "exec"), {})  # noqa: S102
+    losses = [float(line) for line in capsys.readouterr().out.splitlines()[:5]]
+    assert losses[-1] < losses[0]
+
+
 def test_losses_are_tinkers_sums(served, client):
     """The four losses against their definitions (per token, summed), on the logprobs the server returns."""
     tc = client.create_lora_training_client(base_model=arithmetic_policy(), rank=4, seed=2).result()
