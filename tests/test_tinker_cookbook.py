@@ -33,6 +33,7 @@ from molt_lightning.models.tiny import arithmetic_policy  # noqa: E402
 from molt_lightning.tasks.arithmetic import make_problem  # noqa: E402
 
 KEY = "tml-cookbook-test"
+pytestmark = pytest.mark.slow  # ~20-30 s each: a server process and a cookbook run
 
 
 @contextmanager
