@@ -168,6 +168,9 @@ def test_save_state_survives_a_restart(tmp_path):
         # without the optimizer state the step differs (so the check above could fail)
         fresh = sc.create_training_client_from_state(path).result()
         assert step_and_forward(fresh, data)[1] != pytest.approx(uninterrupted[1], rel=1e-6)
+        # and a client loads a state into itself (load_state_with_optimizer), in its turn among its ops
+        fresh.load_state_with_optimizer(path).result()
+        assert step_and_forward(fresh, data) == pytest.approx(uninterrupted, rel=1e-6, abs=1e-6)
 
 
 def test_every_sampled_token_has_its_policy_version(served, client):
@@ -228,6 +231,9 @@ def test_bad_requests_get_the_sdks_errors_and_the_server_keeps_serving(served, c
         assert http.post("/api/v1/retrieve_future", json={"request_id": "nope"}).status_code == 410
         assert http.post("/api/v1/optim_step", json={"model_id": tc.model_id}).status_code == 400
         assert http.post("/api/v1/create_session", headers={"X-API-Key": "tml-wrong"}).status_code == 401
+        full = http.post("/api/v1/create_model", json={"session_id": "s", "model_seq_id": 9,
+                                                        "base_model": arithmetic_policy()})  # no lora_config
+        assert full.status_code == 400 and "--allow-full-weights" in full.json()["detail"]
         assert http.get("/api/v1/healthz", headers={"X-API-Key": ""}).json() == {"status": "ok"}
     with pytest.raises(tinker.AuthenticationError):
         tinker.ServiceClient(base_url=url, api_key="tml-wrong").create_lora_training_client(
