@@ -10,7 +10,7 @@ setup-test:
 	@bash scripts/setup.sh test
 
 # `make extra-NAME`: the default set-up and one optional extra of pyproject.toml, pinned (data, smollm2, lora,
-# agents, trl, bench); the command a missing extra's error names (molt_lightning/extras.py)
+# agents, trl, bench, envs, tinker); the command a missing extra's error names (molt_lightning/extras.py)
 extra-%: setup
 	@bash scripts/setup.sh extra $*
 

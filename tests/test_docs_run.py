@@ -74,6 +74,8 @@ RUNS: dict[str, list[tuple[str, str]]] = {
         ("python", "source molt_lightning/algorithms/selection.py")],
     "docs/research.md: def overlong_filter(inp: SelectionInputs, cfg) -> torch.Tensor:": [
         ("python", "source molt_lightning/algorithms/selection.py")],
+    "docs/tinker.md: molt tinker --policy molt_lightning.models.tiny.arithmetic_policy": [
+        ("molt tinker --policy molt_lightning.models.tiny.arithmetic_policy", "serve")],
 }
 
 # what the suite does not run, and why. "long": `make docs-long` runs it as written; "no": it cannot run here.
@@ -135,6 +137,14 @@ LISTED: dict[str, tuple[str, str]] = {  # (and, for "long", the start of command
     "docs/agents.md: molt tasks check my-tasks": (
         "no", "a task set of the user's; tests/test_tasks_check.py::"
               "test_a_broken_set_is_listed_whole_each_problem_with_its_fix_and_fails checks a broken one"),
+    "docs/tinker.md: make extra-tinker": (
+        "run", "make test installs every extra (pyproject's test extra names them all: tests/test_extras.py)"),
+    "docs/tinker.md: import tinker": (
+        "run", "needs the server the block above starts: tests/test_tinker.py::test_the_docs_sdk_block_runs runs it "
+               "as written against one, its two lines exported"),
+    "docs/tinker.md: import asyncio": (
+        "no", "a conversations file and the folder the server printed, the user's; "
+              "tests/test_tinker_cookbook.py runs this Config on files it writes"),
 }
 
 
@@ -282,9 +292,10 @@ def run(cmd: str, cwd: Path, timeout: float = 900) -> str:
 
 
 def serve_and_ask(cmd: str, cwd: Path) -> None:
-    """Start ``molt serve`` (``molt view``) on a free loopback port, wait until it lists its model (its runs), ask it
-    once, stop it."""
-    path, answer = ("/", "<h1>Runs</h1>") if cmd.startswith("molt view") else ("/v1/models", '"data"')
+    """Start ``molt serve`` (``molt view``, ``molt tinker``) on a free loopback port, wait until it lists its model
+    (its runs; says it is healthy), ask it once, stop it."""
+    path, answer = {"molt view": ("/", "<h1>Runs</h1>"), "molt tinker": ("/api/v1/healthz", '"ok"')}.get(
+        " ".join(cmd.split()[:2]), ("/v1/models", '"data"'))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -352,7 +363,8 @@ def test_the_dataset_recipe_runs_on_smollm2_as_it_names(tmp_path):
 @pytest.mark.parametrize("key", ["docs/workflow.md: molt sft --config recipes/sft_tiny.yaml",
                                  "docs/reproducing.md: molt-bench reproduce --list",
                                  "docs/molt-bench.md: molt-bench run arithmetic-tiny --stack molt --seeds 3 --out "
-                                 "runs/molt-async"])
+                                 "runs/molt-async",
+                                 "docs/tinker.md: molt tinker --policy molt_lightning.models.tiny.arithmetic_policy"])
 def test_docs_commands_run(key, tmp_path):
     run_block(key, scratch(tmp_path))
 

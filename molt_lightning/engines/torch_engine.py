@@ -75,7 +75,7 @@ class TorchEngine(RolloutEngine):
             self.model = get_peft_model(self.model, self.adapter.peft_config()).eval()
             # peft's names -> the adapter's parameters themselves (state-dict tensors share their storage): a commit
             # copies into them (set_peft_model_state_dict walks the whole model: 50 ms a push for SmolLM2-135M)
-            self._adapter_params = get_peft_model_state_dict(self.model)
+            self._adapter_params = get_peft_model_state_dict(self.model, save_embedding_layers=False)
             owned = {p.data_ptr() for p in self.model.parameters()}
             assert all(t.data_ptr() in owned for t in self._adapter_params.values())
             self._names = set(self._adapter_params)

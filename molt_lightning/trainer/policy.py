@@ -146,6 +146,20 @@ def decoder_of(lm: nn.Module) -> nn.Module:
     return (get_base() if get_base is not None else lm).base_model
 
 
+def target_logprobs(lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor,
+                    chunk_tokens: int = 512) -> torch.Tensor:
+    """Logprobs (N, T) of given ``targets`` (N, T): position t scores ``targets[:, t]`` after ``input_ids[:, :t+1]``
+    (a Tinker datum's alignment, where the targets need not be the next inputs), with gradient, through the same
+    chunked, checkpointed head as ``Policy``; 0 where ``attention_mask`` is 0 (right padding)."""
+    hidden = decoder_of(lm)(input_ids=input_ids, attention_mask=attention_mask.long()).last_hidden_state  # (N, T, H)
+    sel = attention_mask.bool()
+    h, t = hidden[sel], targets[sel]  # (K, H), (K,)
+    head, n = lm.get_output_embeddings(), chunk_tokens
+    parts = [checkpoint(_head_chunk, head, h[i:i + n], t[i:i + n], 1.0, False, use_reentrant=False)[0]
+             for i in range(0, t.numel(), n)]
+    return _scatter(sel, parts, hidden)
+
+
 def _head_chunk(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool,
                 top_p: float = 1.0):
     z = nucleus(head(h).float() / temperature, top_p)  # (C, V): the only logits alive at a time

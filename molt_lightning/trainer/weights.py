@@ -46,7 +46,7 @@ def buckets(lm: torch.nn.Module, bucket_bytes: int) -> Iterator[dict[str, torch.
         from peft import get_peft_model_state_dict
 
         # a snapshot: the engine may still be loading it when the next optimizer step changes the adapter
-        yield {k: v.detach().clone() for k, v in get_peft_model_state_dict(lm).items()}
+        yield {k: v.detach().clone() for k, v in get_peft_model_state_dict(lm, save_embedding_layers=False).items()}
         return
     from torch.distributed.tensor import DTensor
 
