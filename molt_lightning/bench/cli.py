@@ -1,7 +1,7 @@
 """``molt-bench``: run matched protocols over seeds, import runs made elsewhere, compare two run sets.
 
-    molt-bench run PROTOCOL --stack molt|molt-sync|trl|trl-rollout-func --seeds N --out DIR [--set steps=30]
-                   [--engine torch|vllm]
+    molt-bench run PROTOCOL --stack molt|molt-sync|trl|trl-rollout-func|tinker-cookbook --seeds N --out DIR
+                   [--set steps=30] [--engine torch|vllm]
     molt-bench import FILE... --protocol PROTOCOL --source-stack verl|nemo-rl|slime|areal|... --out DIR
     molt-bench check RUNSET...  # collapse, NaN, missing/repeated steps, mismatch out of range, outliers, lengths
     molt-bench compare A B [--metric M] [--margin D|P%] [--by step|samples|wall] [--allow-diff FIELD] [--report DIR]
@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("protocol", help="a protocol YAML path, or a name from protocols/ (e.g. arithmetic-tiny)")
     r.add_argument("--stack", required=True, help="molt | molt-sync | trl (stock TRL GRPOTrainer, its own generation; "
                    "single-turn protocols; --engine vllm: its vLLM colocate mode) | trl-rollout-func (TRL with the "
-                   "protocol's multi-turn agent in rollout_func)")
+                   "protocol's multi-turn agent in rollout_func) | tinker-cookbook (tinker-cookbook's RL trainer "
+                   "through molt tinker; single-turn protocols with model.lora)")
     r.add_argument("--seeds", type=int, default=None, help="run the protocol's first N seeds (default: all)")
     r.add_argument("--out", required=True, type=Path, help="output folder (resumed if it holds the same run)")
     r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -53,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="protocol fields those runs changed, e.g. --set max_lag=2")
     i.add_argument("--source-stack", required=True, help="whose column names: molt, trl, trl-wandb, slime, "
-                   "nemo-rl, verl, areal, roll, labs-molt, openrlhf, or custom (then give every --map)")
+                   "nemo-rl, verl, areal, roll, labs-molt, openrlhf, tinker-cookbook (its metrics.jsonl), or custom "
+                   "(then give every --map)")
     i.add_argument("--format", default=None, help="lightning-csv | jsonl | tensorboard | wandb-csv | nemo-rl-json | "
                    "verl-console | slime-console | areal-console (default: guess)")
     i.add_argument("--map", dest="maps", action="append", default=[], metavar="NAME=COLUMN",

@@ -34,6 +34,13 @@ first one the file has is used and recorded in the manifest):
   ``perf/train_tokens_per_sec`` counts trained tokens, not generated ones, so it is not mapped.
 - OpenRLHF: ``train/rollout/reward_mean`` (older: ``train/reward``), ``train/timing/step_total`` (the sum of its
   other timings), step from 1; no throughput.
+- tinker-cookbook (``rl.train``, 0.6.1): its ``log_path/metrics.jsonl`` (``utils/ml_log.py``), one row per step
+  from 0 (``step`` = the batch index); ``env/all/reward/total`` (``rl/metric_util.py``: the mean over the batch's
+  trajectories of their summed rewards), ``time/total`` (``utils/trace.py``: the wall time of the step's
+  ``trace_iteration``: sampling, the train step, the next sampler's weights). No throughput in one number;
+  ``molt-bench run --stack tinker-cookbook`` adds ``bench/gen_tokens_per_s`` (``env/all/total_ac_tokens`` /
+  ``time/total``). After the last step it logs a row of token totals (and of final evaluations, if any) at step
+  = the number of steps: not a training step, so only rows holding ``time/total`` are read (``step_rows``).
 No real ROLL, labs-molt or OpenRLHF file was found to try these maps on; they come from the logging code.
 Any entry can be replaced with ``--map name=COLUMN``.
 """
@@ -59,6 +66,8 @@ STACK_COLUMNS: dict[str, dict] = {
     "trl": {"columns": {"step": "step", "reward": "reward", "step_time_s": "bench/step_time_s",
                         "tokens_per_s_per_device": "bench/gen_tokens_per_s"},
             "step_base": 1, "per_device": ("tokens_per_s_per_device",)},
+    "tinker-cookbook": {"columns": {"step": "step", "reward": "env/all/reward/total", "step_time_s": "time/total"},
+                        "step_base": 0, "per_device": (), "step_rows": "time/total"},
     "trl-wandb": {"columns": {"step": "train/global_step", "reward": "train/reward", "step_time_s": "train/step_time"},
                   "step_base": 1, "per_device": ()},
     "slime": {"columns": {"step": "rollout/step", "reward": "rollout/raw_reward", "step_time_s": "perf/step_time",
@@ -242,6 +251,13 @@ def column_map(stack: str, overrides: list[str] | None = None) -> dict:
         else:
             spec["columns"][name] = col
     return spec
+
+
+def step_rows(raw: pd.DataFrame, spec: dict) -> pd.DataFrame:
+    """The rows that are training steps: those holding ``spec["step_rows"]`` when the map names such a column and the
+    file has it (a stack that logs other rows against step numbers, e.g. the cookbook's final totals), else all."""
+    column = spec.get("step_rows")
+    return raw[raw[column].notna()] if column and column in raw else raw
 
 
 def resolve_columns(columns: dict, frame: pd.DataFrame) -> dict[str, str]:

@@ -80,6 +80,7 @@ def import_runs(sources: list[Path], protocol: Protocol, stack: str, out: Path, 
         "kind": "import", "format": fmt or "auto", "source_stack": stack, "column_map": spec["columns"],
         "step_base": spec["step_base"], "devices": devices, "files": [str(s) for s in sources]}})
     for seed, (src, name, raw) in zip(seeds, found):
+        raw = importers.step_rows(raw, spec)
         columns = importers.resolve_columns(spec["columns"], raw)
         frame = runs.normalise(raw, columns, protocol.samples_per_step, spec["step_base"],
                                devices=devices, per_device=spec["per_device"])

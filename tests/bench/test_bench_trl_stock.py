@@ -48,6 +48,13 @@ def test_addition_reward_is_the_task_reward():
     assert addition.addition_reward(prompts=[[]] * 4, completions=convo, answer=[12] * 4) == [1.0, 0.75, 0.5, 0.0]
 
 
+def test_a_lora_protocol_is_refused_not_ignored():
+    pytest.importorskip("trl")
+    p = load_protocol("arithmetic-single-turn", ["model.lora={r: 8, alpha: 16}"])
+    with pytest.raises(ValueError, match=r"stack trl cannot run model.lora=\{'r': 8, 'alpha': 16\}"):
+        get_stack("trl").check(p.with_changes(get_stack("trl").changes))
+
+
 @pytest.fixture(scope="module")
 def stock_runs(tmp_path_factory):
     pytest.importorskip("trl")

@@ -11,6 +11,10 @@
 - ``trl-rollout-func``: TRL's ``GRPOTrainer`` with the protocol's own (multi-turn) agent program inside TRL's
   ``rollout_func`` hook, sampled by molt's ``TorchEngine``: the matched multi-turn comparison, not stock TRL;
   synchronous (``max_lag: 0``). See ``stacks/trl_rollout_func.py``.
+- ``tinker-cookbook``: tinker-cookbook's RL trainer (``rl.train.main``, unchanged) training a LoRA adapter through
+  ``molt tinker``, molt's server for the Tinker API; single-turn protocols with ``model.lora`` (e.g.
+  ``arithmetic-single-turn-lora``); synchronous, and the cookbook's fixed Adam betas, unclipped summed loss and
+  mean-centred advantages are recorded as changes. See ``stacks/tinker_cookbook.py``.
 
 A stack is a name, the protocol fields it changes (recorded in the run's protocol), honest notes, a ``check``
 that refuses protocol values it cannot honour, and ``run_seed(protocol, seed, workdir, options) -> frame``.
@@ -59,6 +63,16 @@ STACKS = {
         "trl-rollout-func", "molt_lightning.bench.stacks.trl_rollout_func", changes={"max_lag": 0},
         notes="TRL GRPOTrainer, synchronous; the protocol's multi-turn agent runs through TRL's rollout_func on "
               "molt's TorchEngine (see stacks/trl_rollout_func.py)"),
+    "tinker-cookbook": Stack(
+        "tinker-cookbook", "molt_lightning.bench.stacks.tinker_cookbook",
+        changes={"max_lag": 0, "optimizer.betas": [0.9, 0.95], "optimizer.weight_decay": 0.0,
+                 "optimizer.grad_clip": 0.0, "algorithm.scale_by_std": False,
+                 "algorithm.aggregation": "seq_mean_token_sum"},
+        notes="tinker-cookbook 0.6.1 rl.train.main, unchanged, through `molt tinker` (LoRA, alpha 32); synchronous; "
+              "what the cookbook fixes is recorded as changes: Adam betas (0.9, 0.95) eps 1e-8, no weight decay, no "
+              "gradient clipping, advantage = reward - group mean, loss summed over tokens (seq_mean_token_sum: the "
+              "same step under Adam); loss_fn ppo with the protocol's clip band; sampling seeded by the server, so "
+              "seeds differ only in their prompts; SINGLE-TURN (see stacks/tinker_cookbook.py)"),
 }
 
 

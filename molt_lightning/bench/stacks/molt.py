@@ -8,7 +8,9 @@ Options: ``engine`` = ``torch`` (default; ``TorchEngine``) or ``vllm`` (``VLLMEn
 CPU, with the recipes' core split: vLLM bound to the last core, the trainer on one thread unless ``torch_threads``).
 The engine is a stack option, not a protocol field: it changes systems numbers, not the algorithm, and the manifest
 records it; so do ``admit_ahead`` and ``switch_interval_ms`` (``AsyncRLModule``'s, the recipe's system settings).
-``model.precision`` (optional, ``32-true`` or ``bf16-mixed``) is Lightning's trainer precision.
+``model.precision`` (optional, ``32-true`` or ``bf16-mixed``) is Lightning's trainer precision. ``model.lora``
+(optional, ``{r, alpha, dropout, target_modules}``: ``policies.lora.LoraSpec``'s fields) trains a LoRA adapter instead
+of every weight, as a recipe's ``model.lora`` does; without it the run is full fine-tuning.
 """
 
 from __future__ import annotations
@@ -54,6 +56,20 @@ def check(protocol) -> None:
             raise unsupported("molt", dotted_field, protocol.get(dotted_field), [value])
     if str(protocol.data["model"].get("precision", "32-true")) not in PRECISIONS:
         raise unsupported("molt", "model.precision", protocol.data["model"]["precision"], list(PRECISIONS))
+    lora_spec(protocol)
+
+
+def lora_spec(protocol):
+    """The protocol's ``model.lora`` as a ``LoraSpec`` (None: full fine-tuning); a field it lacks is refused."""
+    from ...policies.lora import LoraSpec
+
+    spec = protocol.data["model"].get("lora")
+    if spec is None:
+        return None
+    fields = {f.name for f in dataclasses.fields(LoraSpec)}
+    if not isinstance(spec, dict) or set(spec) - fields:
+        raise unsupported("molt", "model.lora", spec, f"a mapping of {sorted(fields)}")
+    return LoraSpec(**spec)
 
 
 def describe(options: dict) -> dict:
@@ -103,7 +119,7 @@ def run_seed(protocol, seed: int, workdir: Path, options: dict):
         dotted(p["task"]["agent"]), dotted(p["task"]["tasks"]), policy=p["model"]["policy"],
         engine=make_engine(options.get("engine", "torch"), seed), rollout=rollout, algo=algo, optim=optim,
         batching=Batching(**{k: int(p["algorithm"][k]) for k in LOOP_KEYS if k in p["algorithm"]}),
-        dtype=p["model"].get("dtype", "float32"),
+        dtype=p["model"].get("dtype", "float32"), lora=lora_spec(protocol),
         torch_threads=options.get("torch_threads") or (1 if options.get("engine") == "vllm" else None),
     )
     logger = CSVLogger(str(workdir), name="lightning_logs")

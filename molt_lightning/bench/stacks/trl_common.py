@@ -53,6 +53,8 @@ def check(stack: str, protocol) -> None:
         raise unsupported(stack, "algorithm.aggregation", algo["aggregation"], sorted(LOSS_TYPE))
     if precision(protocol) not in PRECISIONS:
         raise unsupported(stack, "model.precision", precision(protocol), list(PRECISIONS))
+    if protocol.data["model"].get("lora") is not None:  # GRPOConfig trains every weight here: refuse, never ignore
+        raise unsupported(stack, "model.lora", protocol.data["model"]["lora"], "[absent] (full fine-tuning)")
 
 
 def grpo_config(protocol, seed: int, workdir: Path, max_completion_length: int, **extra):
