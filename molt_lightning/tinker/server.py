@@ -47,6 +47,9 @@ from .sampling import Pool, Sampler  # noqa: E402
 from .training import Model, Snapshot, read_meta  # noqa: E402
 from .wire import UserError  # noqa: E402
 
+# the SDK's flags: httpx transport, one forward_backward chunk at a time, plain API keys (no JWT exchange)
+CLIENT_CONFIG = {"use_pyqwest_transport": False, "parallel_fwdbwd_chunks": False, "pjwt_auth_enabled": False}
+DYNAMIC_CONFIG = {"refresh_interval_sec": 600}
 PATH = re.compile(r"^tinker://([^/]+)/(weights|sampler_weights)/([A-Za-z0-9._-]+)$")
 
 
@@ -75,7 +78,7 @@ class Server:
 
     # ----- plumbing -----
     def app(self) -> Starlette:
-        post = {"client/config": self.client_config, "client/dynamic_config": self.dynamic_config,
+        post = {"client/config": lambda b: CLIENT_CONFIG, "client/dynamic_config": lambda b: DYNAMIC_CONFIG,
                 "create_session": self.create_session, "session_heartbeat": self.heartbeat,
                 "telemetry": lambda b: {"status": "accepted"}, "create_model": self.create_model,
                 "get_info": self.get_info, "optim_step": self.optim_step, "save_weights": self.save_weights,
@@ -141,13 +144,6 @@ class Server:
         return await self.futures.retrieve(json.loads(await request.body() or b"{}").get("request_id"))
 
     # ----- sessions -----
-    def client_config(self, body: dict) -> dict:
-        # httpx transport, one forward_backward chunk at a time, plain API keys (no JWT exchange)
-        return {"use_pyqwest_transport": False, "parallel_fwdbwd_chunks": False, "pjwt_auth_enabled": False}
-
-    def dynamic_config(self, body: dict) -> dict:
-        return {"refresh_interval_sec": 600}
-
     def create_session(self, body: dict) -> dict:
         session_id = uuid.uuid4().hex[:12]
         self.sessions[session_id] = False
