@@ -109,6 +109,9 @@ LISTED: dict[str, tuple[str, str]] = {  # (and, for "long", the start of command
         "long", "six runs of the protocol, then the import of TensorBoard files of a slime run (tb/seed0: a "
                 "placeholder for yours); tests/bench/ runs each command on small run sets"),
     "docs/reproducing.md: molt-bench reproduce default-run": ("long", "the default run and its report (~6 min)"),
+    "docs/tinker.md: molt-bench reproduce tinker-side-by-side": (
+        "long", "15 runs of 40 steps, twice (~6 min); tests/bench/test_bench_tinker_cookbook.py runs the stack end to "
+                "end and tests/bench/ each command on small run sets"),
     "docs/research.md: molt fit --config recipes/default.yaml --config recipes/research/forking_tokens.yaml": (
         "run", "tests/test_research.py runs each research overlay 2 steps through molt fit"),
     "docs/research.md: make setup-test && .venv/bin/python -m pytest -q tests/test_selection.py": (
