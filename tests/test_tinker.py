@@ -192,6 +192,7 @@ def test_every_sampled_token_has_its_policy_version(served, client):
         for sid in sequence_ids:
             assert record[sid]["model_id"] == tc.model_id
             assert record[sid]["versions"] and set(record[sid]["versions"]) == {version}
+            assert sid.endswith(f":v{version}")  # the sequence id the SDK hands back says it too
     # a datum that names its sampled tokens' sequence (the cookbook's provenance spans) gets its staleness reported
     seq, sid = futures[0].result().sequences[0], ids[0][0]
     full, p, n = prompt.to_ints() + list(seq.tokens), prompt.length, len(seq.tokens)

@@ -335,7 +335,8 @@ class Server:
         if not prompt or min(prompt) < 0 or max(prompt) >= self.config.get_text_config().vocab_size:
             raise UserError("the prompt must hold at least one token id within the model's vocabulary")
         n = int(body.get("num_samples", 1))
-        ids = [f"{sampler.sampler_id}:{body.get('seq_id', 0)}:{i}" for i in range(n)]
+        # the sampler is frozen: its version is every token's, known now; the id carries it (the SDK's only room)
+        ids = [f"{sampler.sampler_id}:{body.get('seq_id', 0)}:{i}:v{sampler.version}" for i in range(n)]
 
         async def sample():
             seqs, versions, prompt_lps = await self.pool.sample(sampler, prompt, n, body["sampling_params"],
