@@ -67,12 +67,11 @@ MAPPED = {"advantage", "loss", "scale_by_std", "clip_low", "clip_high", "kl_coef
 
 
 def cookbook(stack: str = STACK):
-    try:
-        from tinker_cookbook.rl import train
-    except ImportError as e:
-        raise ImportError(f"the {stack} stack needs tinker and tinker-cookbook: pip install tinker==0.38.0 and "
-                          f"pip install --no-deps tinker-cookbook==0.6.1 (then chz blobfile pyrage termcolor); "
-                          f"import failed with: {e}") from e
+    from ...extras import require
+
+    require("tinker", f"the {stack} stack")  # MissingExtra, naming make extra-tinker
+    from tinker_cookbook.rl import train
+
     return train
 
 
