@@ -156,7 +156,7 @@ def test_molt_help_lists_every_command_and_a_word_that_is_none_names_them(capsys
     with the commands there are, as is any other word."""
     from molt_lightning.commands.cli import COMMANDS, main, molt_cli
 
-    assert list(COMMANDS) == ["fit", "eval", "export", "serve", "sft", "tasks", "view"]
+    assert list(COMMANDS) == ["fit", "eval", "export", "serve", "sft", "tasks", "view", "tinker"]
     for argv, code in (["--help"], 0), ([], 2):
         with pytest.raises(SystemExit) as e:
             main(argv)
