@@ -167,7 +167,7 @@ def test_molt_help_lists_every_command_and_a_word_that_is_none_names_them(capsys
             main([word, "--config", "recipes/default.yaml"])
         err = capsys.readouterr().err
         assert e.value.code == 2 and err == f"molt: no command {word!r}: the commands are fit, eval, export, serve, " \
-            "sft, tasks, view (`molt --help` says what each does)\n"
+            "sft, tasks, view, tinker (`molt --help` says what each does)\n"
     assert list(molt_cli().subcommands()) == ["fit"]
 
 
