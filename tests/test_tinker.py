@@ -36,13 +36,14 @@ KEY = "tml-molt-test"
 
 
 @contextmanager
-def running(state_dir: str, key: str = KEY):
-    """A ``molt tinker`` server on a free loopback port, in a thread; yields (server, base url)."""
+def running(state_dir: str, key: str = KEY, **options):
+    """A ``molt tinker`` server (``Server``'s ``options``) on a free loopback port, in a thread; yields (server, base
+    url)."""
     import uvicorn
 
     from molt_lightning.tinker.server import Server
 
-    server = Server(arithmetic_policy(), key, str(state_dir))
+    server = Server(arithmetic_policy(), key, str(state_dir), **options)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)

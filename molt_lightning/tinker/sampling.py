@@ -1,8 +1,9 @@
 """Sampling clients on molt's engines: each sampler is frozen weights; engines are slots bound to one sampler at a time.
 
 A sampler (``save_weights_for_sampler``, ``create_sampling_session``) is a ``training.Snapshot`` (the adapter's
-tensors copied when it was made, with the policy version they had) or the base model. An engine (``TorchEngine``,
-launched on the model folder with the sampler's adapter config) serves one sampler at a time: a request for a sampler
+tensors copied when it was made, with the policy version they had) or the base model. An engine (``TorchEngine``, or
+``VLLMEngine`` with ``--engine vllm``: an engine core process per slot; launched on the model folder with the
+sampler's adapter config) serves one sampler at a time: a request for a sampler
 no engine holds waits for an idle engine of its kind (none in flight) and rebinds it with ``update_weights``, whose
 fingerprints are read back from the engine (``engines.fingerprint``: ``frozen_ok`` fails otherwise). So a sampler
 is frozen by construction: later ``optim_step``s change the training model, never a snapshot, and no request runs on
@@ -23,10 +24,12 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ..engines import TorchEngine
-from ..engines.base import Sampling
+from ..engines.base import RolloutEngine, Sampling
 from ..engines.fingerprint import samples
 from .training import Snapshot
 from .wire import Sequence, UserError
+
+ENGINES = ("torch", "vllm")
 
 
 @dataclass
@@ -52,7 +55,7 @@ class Sampler:
 
 @dataclass
 class Slot:
-    engine: TorchEngine
+    engine: RolloutEngine
     kind: str
     bound: str | None = None
     in_flight: int = 0
@@ -62,8 +65,11 @@ class Slot:
 
 
 class Pool:
-    def __init__(self, folder: str, tokenizer, per_kind: int = 2, device: str = "cpu"):
-        self.folder, self.tokenizer, self.per_kind, self.device = folder, tokenizer, per_kind, device
+    def __init__(self, folder: str, tokenizer, per_kind: int = 2, device: str = "cpu", engine: str = "torch"):
+        if engine not in ENGINES:
+            raise ValueError(f"engine {engine!r}: use one of {ENGINES}")
+        self.folder, self.tokenizer, self.per_kind, self.device, self.engine = folder, tokenizer, per_kind, device, \
+            engine
         self.slots: list[Slot] = []
         self._changed = asyncio.Condition()
 
@@ -90,7 +96,13 @@ class Pool:
         return slot
 
     def _new(self, sampler: Sampler) -> Slot:
-        slot = Slot(TorchEngine(device=self.device, seed=len(self.slots)), sampler.kind)
+        if self.engine == "vllm":  # a process of its own (an engine core) per slot
+            from ..engines import VLLMEngine
+
+            engine = VLLMEngine(dtype="float32" if self.device == "cpu" else None, seed=len(self.slots))
+        else:
+            engine = TorchEngine(device=self.device, seed=len(self.slots))
+        slot = Slot(engine, sampler.kind)
         self.slots.append(slot)
         return slot
 
@@ -166,13 +178,13 @@ def _seeded(sampling: Sampling, seed: int | None, i: int) -> Sampling:
     return sampling if seed is None else replace(sampling, seed=int(seed) * 1_000_003 + i)
 
 
-async def _load(engine: TorchEngine, state: dict, version: int) -> bool:
+async def _load(engine: RolloutEngine, state: dict, version: int) -> bool:
     """(On the engine's loop.) Serve ``state`` as ``version``; True when its fingerprints read back as sent."""
     await engine.stage_weights(state)
     return await engine.commit_weights(version, expected=samples(state))
 
 
-async def _on(engine: TorchEngine, coro):
+async def _on(engine: RolloutEngine, coro):
     """Await a coroutine on the engine's own loop thread from the server's loop."""
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, engine.loop))
 

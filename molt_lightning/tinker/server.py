@@ -43,7 +43,7 @@ require("tinker", "molt tinker", ("tinker", "peft"))  # before the modules that 
 
 from . import wire  # noqa: E402
 from .futures import Futures, Ordered  # noqa: E402
-from .sampling import Pool, Sampler  # noqa: E402
+from .sampling import ENGINES, Pool, Sampler  # noqa: E402
 from .training import Model, Snapshot, read_meta  # noqa: E402
 from .wire import UserError  # noqa: E402
 
@@ -59,7 +59,7 @@ class NotFound(LookupError):
 
 class Server:
     def __init__(self, folder: str, api_key: str, state_dir: str, engines_per_kind: int = 2,
-                 allow_full_weights: bool = False, device: str = "cpu"):
+                 allow_full_weights: bool = False, device: str = "cpu", engine: str = "torch"):
         from transformers import AutoConfig, AutoTokenizer
 
         self.folder, self.key, self.state_dir = os.path.abspath(folder), api_key, os.path.abspath(state_dir)
@@ -72,7 +72,7 @@ class Server:
         self.versions: dict[str, int] = {}  # sequence id -> the policy version that sampled it
         self.trainer = ThreadPoolExecutor(1, thread_name_prefix="molt-tinker-train")
         self.futures = Futures(self.trainer)
-        self.pool = Pool(self.folder, self.tokenizer, engines_per_kind, device)
+        self.pool = Pool(self.folder, self.tokenizer, engines_per_kind, device, engine)
         os.makedirs(self.state_dir, exist_ok=True)
         self._samples = open(os.path.join(self.state_dir, "samples.jsonl"), "a")
 
@@ -366,6 +366,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--api-key", default=os.environ.get("TINKER_API_KEY"),
                         help="the key clients must send (starts with tml-; default: $TINKER_API_KEY, else a new one)")
     parser.add_argument("--state-dir", default="runs/tinker", help="checkpoints and the sample record")
+    parser.add_argument("--engine", choices=ENGINES, default="torch", help="what samples: molt's torch engine or vLLM")
     parser.add_argument("--engines-per-kind", type=int, default=2, help="sampling engines per adapter shape")
     parser.add_argument("--allow-full-weights", action="store_true", help="serve training clients without LoRA")
     parser.add_argument("--device", default="cpu", help="where the trained model and the engines run (cuda: a GPU)")
@@ -378,7 +379,7 @@ def main(argv: list[str]) -> int:
     from ..trainer.policy import policy_folder
 
     server = Server(policy_folder(args.policy), key, args.state_dir, args.engines_per_kind, args.allow_full_weights,
-                    args.device)
+                    args.device, args.engine)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))

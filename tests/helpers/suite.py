@@ -32,7 +32,7 @@ def names(source: str, fixture: str) -> bool:
 
 def group(path: Path, name: str) -> str | None:
     """A test's group: ``engines`` for every test of a file that names a shared engine or holds an in-process vLLM
-    engine of its own for the module, and the SmolLM2 tests: one worker runs them in file order, so that one vLLM
+    engine of its own for the module (``VLLMEngine(``, or a ``molt tinker`` server's ``engine="vllm"``), and the SmolLM2 tests: one worker runs them in file order, so that one vLLM
     engine spins at a time (its scheduler busy-waits) and the shared ones are stopped before the SmolLM2 recipe's 8 GB
     trainer starts, as in a serial run. The file, for the tests of any other file that take one of its fixtures wider
     than a test (made once) as an argument, or every test of a file with such a fixture used automatically (e.g. a
@@ -41,7 +41,7 @@ def group(path: Path, name: str) -> str | None:
     source = text(path)
     wide = re.findall(r'@pytest\.fixture\(scope="(?:module|class|session)"[^)]*\)\s*\n(?:async )?def (\w+)', source)
     if any(names(source, shared) for shared in SHARED) or "smollm2" in f"{path.name}::{name}" \
-            or wide and "VLLMEngine(" in source:
+            or wide and ("VLLMEngine(" in source or 'engine="vllm"' in source):
         return "engines"
     signature = re.search(rf"def {re.escape(name.partition('[')[0])}\((.*?)\)", source, re.S)
     takes = signature is None or any(names(signature.group(1), fixture) for fixture in wide) \
