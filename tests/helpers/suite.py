@@ -34,9 +34,10 @@ def group(path: Path, name: str) -> str | None:
     """A test's group: ``engines`` for every test of a file that names a shared engine or holds an in-process vLLM
     engine of its own for the module (``VLLMEngine(``, or a ``molt tinker`` server's ``engine="vllm"``), and the
     SmolLM2 tests: one worker runs them in file order, so that one vLLM engine spins at a time (its scheduler
-    busy-waits) and the shared ones are stopped before the SmolLM2 recipe's 8 GB trainer starts, as in a serial run. The file, for the tests of any other file that take one of its fixtures wider
-    than a test (made once) as an argument, or every test of a file with such a fixture used automatically (e.g. a
-    module's worker pool: split across workers it would be made again for each test). Else None: the test goes to
+    busy-waits) and the shared ones are stopped before the SmolLM2 recipe's 8 GB trainer starts, as in a serial run.
+    The file, for the tests of any other file that take one of its fixtures wider than a test (made once) as an
+    argument, or every test of a file with such a fixture used automatically (e.g. a module's worker pool: split
+    across workers it would be made again for each test). Else None: the test goes to
     whichever worker is free."""
     source = text(path)
     wide = re.findall(r'@pytest\.fixture\(scope="(?:module|class|session)"[^)]*\)\s*\n(?:async )?def (\w+)', source)
