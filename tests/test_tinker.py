@@ -246,6 +246,27 @@ def test_bad_requests_get_the_sdks_errors_and_the_server_keeps_serving(served, c
     tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
 
 
+def test_a_client_side_custom_loss_trains_as_its_cross_entropy_twin(client):
+    """``forward_backward_custom`` (the SDK computes a custom loss on the logprobs, then sends its gradient as
+    cross_entropy weights): the same step as ``cross_entropy`` when the custom loss is the summed NLL."""
+    import torch
+
+    def nll(data, logprobs_list):
+        loss = -torch.stack([lp.sum() for lp in logprobs_list]).sum()
+        return loss, {"nll:sum": float(loss)}
+
+    twins = [client.create_lora_training_client(base_model=arithmetic_policy(), rank=4, seed=7).result()
+             for _ in range(2)]
+    data = [sft_datum(twins[0].get_tokenizer(), "What is 9*9?CALC 9*9")]
+    custom = twins[0].forward_backward_custom(data, nll).result()
+    plain = twins[1].forward_backward(data, "cross_entropy").result()
+    assert custom.metrics["nll:sum"] == pytest.approx(plain.metrics["loss:sum"], rel=1e-5)
+    for tc in twins:
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after = [tc.forward(data, "cross_entropy").result().metrics["loss:sum"] for tc in twins]
+    assert after[0] == pytest.approx(after[1], rel=1e-5) and after[0] < plain.metrics["loss:sum"]
+
+
 def test_the_docs_sdk_block_runs(served, monkeypatch, capsys):
     """docs/tinker.md's SDK example, as written, with the two lines `molt tinker` prints exported."""
     from tests.test_docs_run import python_block
