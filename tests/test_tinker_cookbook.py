@@ -3,6 +3,9 @@
 - The supervised trainer (``supervised.train.main``) on a local conversations file: ``train_mean_nll`` falls; the
   run and the server are killed after a checkpoint, a new server starts on the same state folder, and the same command
   resumes from the cookbook's last checkpoint (``checkpoints.jsonl``: ``load_weights`` with the optimizer).
+- The DPO trainer (``preference.train_dpo.main``), whose reference is a sampler saved before the first step: its loss
+  starts at exactly ln 2 and falls (a reference served from the live weights, as one self-hosted server did, keeps it
+  at ln 2: GMISWE/tinker-cloud #16).
 - The RL trainer (``rl.train.main``) with an environment written against the cookbook's environment interface
   (``bench.stacks.tinker_env``: molt's arithmetic questions, reward 1 for the right tool call): the reward rises.
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import queue
 import random
@@ -142,3 +146,32 @@ def test_the_cookbooks_rl_trainer_raises_the_reward(tmp_path, monkeypatch):
     with open(tmp_path / "state" / "samples.jsonl") as f:
         versions = {v for row in map(json.loads, f) for v in row["versions"]}
     assert versions == set(range(steps))
+
+
+def test_the_cookbooks_dpo_trainer_learns_against_a_frozen_reference(tmp_path, monkeypatch):
+    from tinker_cookbook.preference import train_dpo
+    from tinker_cookbook.preference.dpo_datasets import DPODatasetBuilderFromComparisons
+    from tinker_cookbook.preference.preference_datasets import ComparisonBuilderFromJsonl
+    from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+
+    monkeypatch.setenv("TINKER_API_KEY", KEY)
+    folder, rng, pairs = arithmetic_policy(), random.Random(1), tmp_path / "pairs.jsonl"
+    with open(pairs, "w") as f:  # the tool call preferred over a guessed answer
+        for _ in range(128):
+            p = make_problem(rng)
+            turn = [{"role": "user", "content": p["question"]}]
+            f.write(json.dumps({"label": "A", "comparison": {
+                "prompt_conversation": turn,
+                "completion_A": [{"role": "assistant", "content": f"CALC {p['expression']}"}],
+                "completion_B": [{"role": "assistant", "content": f"ANSWER {rng.randint(10, 99999)}"}]}}) + "\n")
+    common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=folder, renderer_name="qwen3_instruct",
+                                            max_length=64, batch_size=8)
+    with molt_tinker(tmp_path / "state") as url:
+        train_dpo.main(train_dpo.Config(
+            log_path=str(tmp_path / "dpo"), model_name=folder, recipe_name="molt_dpo", renderer_name="qwen3_instruct",
+            base_url=url, learning_rate=5e-3, lora_rank=8, dpo_beta=0.1, save_every=1000, eval_every=0, max_steps=12,
+            dataset_builder=DPODatasetBuilderFromComparisons(
+                comparison_builder=ComparisonBuilderFromJsonl(train_path=str(pairs)), common_config=common)))
+    loss = [r["dpo_loss"] for r in rows(tmp_path / "dpo") if "dpo_loss" in r]
+    assert len(loss) == 12 and loss[0] == pytest.approx(math.log(2), abs=1e-4), loss
+    assert max(loss[-3:]) < 0.3, loss
