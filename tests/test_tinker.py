@@ -111,6 +111,26 @@ def test_a_sampler_is_frozen(client):
     assert named.compute_logprobs(prompt).result() == now
 
 
+def test_samplers_sharing_one_engine_each_serve_their_own_weights(tmp_path):
+    """Two samplers of different versions, one engine for both (``engines_per_kind=1``), requests interleaved and
+    in flight together: every answer is its own sampler's (the engine is rebound only when idle)."""
+    with running(tmp_path, engines_per_kind=1) as (server, url):
+        client = tinker.ServiceClient(base_url=url, api_key=KEY)
+        tc = client.create_lora_training_client(base_model=arithmetic_policy(), rank=8, seed=0).result()
+        tok = tc.get_tokenizer()
+        data = [sft_datum(tok, "What is 6*7?CALC 6*7")]
+        samplers = []
+        for _ in range(2):
+            train(tc, data, 2)
+            samplers.append(tc.save_weights_and_get_sampling_client().result())
+        prompt = types.ModelInput.from_ints(tok.encode("What is 6*7?CALC 6*7"))
+        alone = [s.compute_logprobs(prompt).result() for s in samplers]
+        assert alone[0] != alone[1]
+        futures = [(i % 2, samplers[i % 2].compute_logprobs(prompt)) for i in range(24)]
+        assert all(f.result() == alone[which] for which, f in futures)
+        assert len(server.pool.slots) == 1 and len(server.pool.slots[0].verified) >= 3  # it was rebound
+
+
 def test_lora_trains_only_the_adapter(served, client):
     server, _ = served
     folder = arithmetic_policy()
