@@ -251,6 +251,8 @@ def test_bad_requests_get_the_sdks_errors_and_the_server_keeps_serving(served, c
         unknown = http.post("/api/v1/get_info", json={"model_id": "nobody:train:0"})
         assert unknown.status_code == 404 and "no model 'nobody:train:0'" in unknown.json()["detail"]
         assert http.post("/api/v1/retrieve_future", json={"request_id": "nope"}).status_code == 410
+        assert http.get(f"/api/v1/training_runs/{tc.model_id}").json()["lora_rank"] == 4
+        assert http.get("/api/v1/training_runs/..").status_code == 404
         assert http.post("/api/v1/optim_step", json={"model_id": tc.model_id}).status_code == 400
         assert http.post("/api/v1/create_session", headers={"X-API-Key": "tml-wrong"}).status_code == 401
         full = http.post("/api/v1/create_model", json={"session_id": "s", "model_seq_id": 9,

@@ -50,7 +50,8 @@ from .wire import UserError  # noqa: E402
 # the SDK's flags: httpx transport, one forward_backward chunk at a time, plain API keys (no JWT exchange)
 CLIENT_CONFIG = {"use_pyqwest_transport": False, "parallel_fwdbwd_chunks": False, "pjwt_auth_enabled": False}
 DYNAMIC_CONFIG = {"refresh_interval_sec": 600}
-PATH = re.compile(r"^tinker://([^/]+)/(weights|sampler_weights)/([A-Za-z0-9._-]+)$")
+RUN = r"[A-Za-z0-9_-]+:train:\d+"  # a model id, as the SDK derives it: <session>:train:<n>
+PATH = re.compile(rf"^tinker://({RUN})/(weights|sampler_weights)/([A-Za-z0-9._-]+)$")
 
 
 class NotFound(LookupError):
@@ -288,13 +289,11 @@ class Server:
         return self.futures.spawn(create())
 
     def training_run(self, run_id: str) -> dict:
-        trained = self.models.get(run_id)
-        saved = sorted(os.listdir(os.path.join(self.state_dir, "runs", run_id, "weights"))) \
-            if os.path.isdir(os.path.join(self.state_dir, "runs", run_id, "weights")) else []
-        if trained is None and not saved:
-            raise NotFound(f"no training run {run_id!r} here")
-        meta = trained.model.meta() if trained else read_meta(os.path.join(self.state_dir, "runs", run_id,
-                                                                           "weights", saved[-1]))
+        weights = os.path.join(self.state_dir, "runs", run_id, "weights")
+        trained, saved = self.models.get(run_id), sorted(os.listdir(weights)) if os.path.isdir(weights) else []
+        if not re.fullmatch(RUN, run_id) or (trained is None and not saved):
+            raise NotFound(f"no training run {run_id!r} here (a run id reads <session>:train:<n>)")
+        meta = trained.model.meta() if trained else read_meta(os.path.join(weights, saved[-1]))
         return {"training_run_id": run_id, "base_model": self.folder, "model_owner": "molt",
                 "is_lora": meta["rank"] is not None, "lora_rank": meta["rank"], "corrupted": False,
                 "last_request_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
