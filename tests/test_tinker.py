@@ -25,6 +25,7 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
+import torch
 
 tinker = pytest.importorskip("tinker", reason="the tinker extra (make extra-tinker)")
 from tinker import types  # noqa: E402
@@ -154,7 +155,6 @@ def test_lora_trains_only_the_adapter(served, client):
     assert base_sampler.compute_logprobs(prompt).result() == base_before
     # the sampling engines' base weights too: every engine's non-adapter parameters are the folder's
     from molt_lightning.policies import load_lm
-    import torch
 
     original = {n: fingerprint(p) for n, p in load_lm(folder, torch.float32).named_parameters()}
     for slot in server.pool.slots:
@@ -287,6 +287,45 @@ def test_a_client_side_custom_loss_trains_as_its_cross_entropy_twin(client):
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     after = [tc.forward(data, "cross_entropy").result().metrics["loss:sum"] for tc in twins]
     assert after[0] == pytest.approx(after[1], rel=1e-5) and after[0] < plain.metrics["loss:sum"]
+
+
+def test_full_weights_where_the_server_allows_them():
+    """``--allow-full-weights`` (the SDK asks only for LoRA; a raw ``create_model`` without ``lora_config`` gets this):
+    every weight trains, and a sampler of such a model serves its snapshot, frozen (the engine's prompt logprobs equal
+    the model's own before and after another step)."""
+    import asyncio
+
+    import numpy as np
+
+    from molt_lightning.tinker.sampling import Pool, Sampler
+    from molt_lightning.tinker.training import Model
+    from molt_lightning.tinker.wire import Datum, ForwardBackward
+
+    folder = arithmetic_policy()
+    model = Model("s:train:0", folder, None)
+    ids = np.array(model.tokenizer.encode("What is 8*9?CALC 8*9"))
+    datum = Datum(ids[:-1], {"target_tokens": ids[1:], "weights": np.ones(ids.size - 1, np.float32)})
+
+    def step() -> np.ndarray:
+        logprobs, _ = model.forward_backward(ForwardBackward("s:train:0", 1, "cross_entropy", {}, False, [datum]))
+        model.optim_step({"learning_rate": 1e-3})
+        return logprobs[0]
+
+    before = {n: p.detach().clone() for n, p in model.lm.named_parameters()}
+    step()
+    assert all(not torch.equal(before[n], p) for n, p in model.lm.named_parameters())
+    sampler = Sampler("s:train:0:sample:0", model.snapshot(), "s:train:0")
+    after_one = step()  # the model's logprobs at version 1 (computed before this step's update)
+
+    async def served() -> list[float]:
+        pool = Pool(folder, model.tokenizer, 1)
+        try:
+            return (await pool.sample(sampler, ids.tolist(), 1, {"max_tokens": 1}, True))[2]
+        finally:
+            pool.close()
+
+    assert sampler.kind == "full" and sampler.version == 1
+    assert np.allclose(asyncio.run(served())[1:], after_one, atol=1e-4)  # version 1 still, after a second step
 
 
 def test_the_docs_sdk_block_runs(served, monkeypatch, capsys):

@@ -60,7 +60,7 @@ class Snapshot:
         if meta["rank"] is None:
             from ..policies import load_lm
 
-            return cls(load_lm(checkpoint, torch.float32).state_dict(), None, meta["version"])
+            return cls(dict(load_lm(checkpoint, torch.float32).named_parameters()), None, meta["version"])
         from safetensors.torch import load_file
 
         with open(os.path.join(checkpoint, "adapter_config.json")) as f:
@@ -188,8 +188,8 @@ class Model:
             from peft import get_peft_model_state_dict
 
             state = get_peft_model_state_dict(self.lm, save_embedding_layers=False)  # the adapter only
-        else:
-            state = self.lm.state_dict()
+        else:  # every parameter once (a tied head is the embedding), as an engine serves them
+            state = dict(self.lm.named_parameters())
         return Snapshot({k: v.detach().to("cpu", copy=True) for k, v in state.items()}, lora_.adapter_of(self.lm),
                         self.version)
 
