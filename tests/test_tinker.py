@@ -339,6 +339,20 @@ def test_the_docs_sdk_block_runs(served, monkeypatch, capsys):
     assert losses[-1] < losses[0]
 
 
+def test_malformed_bodies_are_never_a_server_error(served):
+    """Whatever a route is sent, a client error is a 4xx (a 5xx makes the SDK retry for minutes)."""
+    _, url = served
+    routes = [r.path for r in served[0].app().routes if "POST" in (r.methods or ())]
+    bodies = [b"not json", b"[]", b"{}", json.dumps({k: 5 for k in (
+        "model_id", "session_id", "model_seq_id", "lora_config", "prompt", "sampling_params", "path", "request_id",
+        "adam_params", "sampling_session_id", "num_samples", "seq_id", "base_model", "model_path")}).encode()]
+    with httpx.Client(base_url=url, headers={"X-API-Key": KEY}, timeout=60) as http:
+        for route in routes:
+            for body in bodies:
+                answer = http.post(route.replace("{id}", "x"), content=body)
+                assert answer.status_code < 500, (route, body, answer.status_code, answer.text)
+
+
 def test_losses_are_tinkers_sums(served, client):
     """The four losses against their definitions (per token, summed), on the logprobs the server returns."""
     tc = client.create_lora_training_client(base_model=arithmetic_policy(), rank=4, seed=2).result()

@@ -13,6 +13,7 @@ unknown id is a 410 (a sampling client submits again; a training client fails wi
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -116,7 +117,12 @@ class Futures:
             except Exception as e:
                 self.finish(self.pending[rid], error=e)
 
-    async def retrieve(self, rid: str | None) -> Response:
+    async def retrieve(self, body: bytes) -> Response:
+        """The answer to a poll, whose body is ``{"request_id": ...}``."""
+        try:
+            rid = json.loads(body or b"{}").get("request_id")
+        except (ValueError, AttributeError):
+            return JSONResponse({"detail": 'retrieve_future takes {"request_id": ...}'}, status_code=400)
         pending = self.pending.get(rid)
         if pending is None:
             return JSONResponse({"detail": f"unknown request_id {rid!r}: the server restarted, or the result expired "

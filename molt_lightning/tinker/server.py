@@ -116,7 +116,7 @@ class Server:
                 if asyncio.iscoroutine(out):
                     out = await out
                 return out if isinstance(out, Response) else JSONResponse(out)
-            except (UserError, KeyError, TypeError, ValueError) as e:
+            except (UserError, KeyError, TypeError, ValueError, AttributeError) as e:  # a malformed body
                 what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
                 return JSONResponse({"detail": f"{request.url.path}: {what}"}, status_code=400)
             except NotFound as e:
@@ -142,7 +142,7 @@ class Server:
     async def retrieve_future(self, request: Request) -> Response:
         if (denied := self._denied(request)) is not None:
             return denied
-        return await self.futures.retrieve(json.loads(await request.body() or b"{}").get("request_id"))
+        return await self.futures.retrieve(await request.body())
 
     # ----- sessions -----
     def create_session(self, body: dict) -> dict:
