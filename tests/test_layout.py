@@ -201,3 +201,18 @@ def test_the_loop_names_no_algorithm():
             and ast.unparse(node.value).split(".")[-1] in ("algo", "cfg", "algorithm")]
     assert not read, "module.py reads Algorithm fields (move the choice into a registry function or Functions): " + \
         ", ".join(f"line {line}: {name}" for line, name in read)
+
+
+def test_the_servers_of_their_own_are_outside_molt_fits_imports():
+    """``molt view`` and ``molt tinker`` (front doors with servers of their own) are not in ``molt fit``'s static
+    import closure, as scripts/size.py measures it (the CLI and the default recipe's dotted names)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("size", PACKAGE.parent / "scripts" / "size.py")
+    size = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(size)
+    dotted = sorted(set(re.findall(r"\bmolt_lightning(?:\.\w+)+", size.RECIPE.read_text())))
+    files = size.closure(size.REPO, size.PKG, [size.module_file(size.REPO, "molt_lightning.commands.cli"), *dotted])
+    names = {f.relative_to(PACKAGE).parts[0] for f in files}
+    assert "commands" in names and "trainer" in names  # the closure is the real one
+    assert not names & {"view", "tinker"}, sorted(names)
