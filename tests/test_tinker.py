@@ -71,7 +71,8 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(served):
-    return tinker.ServiceClient(base_url=served[1], api_key=KEY)
+    with tinker.ServiceClient(base_url=served[1], api_key=KEY) as service:  # its session finishes before the server
+        yield service
 
 
 def sft_datum(tokenizer, text: str) -> types.Datum:
@@ -130,6 +131,7 @@ def test_samplers_sharing_one_engine_each_serve_their_own_weights(tmp_path):
         futures = [(i % 2, samplers[i % 2].compute_logprobs(prompt)) for i in range(24)]
         assert all(f.result() == alone[which] for which, f in futures)
         assert len(server.pool.slots) == 1 and len(server.pool.slots[0].verified) >= 3  # it was rebound
+        client.close("success").result()
 
 
 def test_lora_trains_only_the_adapter(served, client):
@@ -179,6 +181,7 @@ def test_save_state_survives_a_restart(tmp_path):
         train(tc, data, 3, lr=5e-3)
         path = tc.save_state("ckpt").result().path
         uninterrupted = step_and_forward(tc, data)
+        sc.close("success").result()
     with running(tmp_path) as (server, url):  # a new server: nothing but the state folder
         assert not server.models
         sc = tinker.ServiceClient(base_url=url, api_key=KEY)
@@ -192,6 +195,7 @@ def test_save_state_survives_a_restart(tmp_path):
         # and a client loads a state into itself (load_state_with_optimizer), in its turn among its ops
         fresh.load_state_with_optimizer(path).result()
         assert step_and_forward(fresh, data) == pytest.approx(uninterrupted, rel=1e-6, abs=1e-6)
+        sc.close("success").result()
 
 
 def test_every_sampled_token_has_its_policy_version(served, client):

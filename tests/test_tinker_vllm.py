@@ -43,3 +43,4 @@ def test_a_vllm_sampler_serves_its_snapshot_and_stays_frozen(vllm_served):
     assert losses[-1] < losses[0]
     assert sampler.compute_logprobs(prompt).result() == pytest.approx(served, nan_ok=True, abs=1e-6)
     assert type(server.pool.slots[0].engine).__name__ == "VLLMEngine" and all(server.pool.slots[0].verified)
+    client.close("success").result()
