@@ -139,11 +139,13 @@ class RolloutSource:
             self._switch_s = None
 
         async def cancel():
+            # the producer's cancellation reaches it on a later turn of the loop (a concurrent future's cancel): a
+            # group it starts before then is cancelled in the next round, not left running past the stop
             self._producer.cancel()
-            tasks = [t for t in self._tasks if not t.done()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            while tasks := [t for t in self._tasks if not t.done()]:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
         try:
             asyncio.run_coroutine_threadsafe(cancel(), self._loop).result(STOP_TIMEOUT_S)
@@ -254,7 +256,7 @@ class RolloutSource:
     async def _produce(self) -> None:
         try:
             prompts, order = self.admission.prompts(self.tasks, self.rollout.task_seed), 0
-            while self._error is None:
+            while self._error is None and not self._stopping:
                 while not self._may_admit():
                     self._wake.clear()
                     if not self._may_admit():
