@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ..engines import TorchEngine
-from ..engines.base import RolloutEngine, Sampling
+from ..engines.base import RolloutEngine, Sampling, derive_seed
 from ..engines.fingerprint import samples
 from .training import Snapshot
 from .wire import Sequence, UserError
@@ -175,7 +175,7 @@ class Pool:
 
 
 def _seeded(sampling: Sampling, seed: int | None, i: int) -> Sampling:
-    return sampling if seed is None else replace(sampling, seed=int(seed) * 1_000_003 + i)
+    return sampling if seed is None else replace(sampling, seed=derive_seed(int(seed), i))
 
 
 async def _load(engine: RolloutEngine, state: dict, version: int) -> bool:

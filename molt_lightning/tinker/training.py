@@ -90,19 +90,14 @@ class Model:
                  seed: int | None = None, device: str = "cpu"):
         self.model_id, self.folder, self.rank = model_id, folder, rank
         self.targets = targets or {"attn": True, "mlp": True, "unembed": True}
-        spec = None
+        self.lm, self.tokenizer = trainable_lm(folder, torch.float32)  # loaded once; the adapter goes on it below
         if rank is not None:
-            from ..policies import load_lm
-
-            probe = load_lm(folder, torch.float32)
-            names = lora_targets(probe, self.targets["attn"], self.targets["mlp"], self.targets["unembed"])
-            del probe
+            names = lora_targets(self.lm, self.targets["attn"], self.targets["mlp"], self.targets["unembed"])
             if not names:
                 raise UserError(f"lora_config trains nothing: no linear layer matches {self.targets}")
-            spec = lora_.LoraSpec(r=rank, alpha=LORA_ALPHA, target_modules=names)
-        if seed is not None:
-            torch.manual_seed(seed)
-        self.lm, self.tokenizer = trainable_lm(folder, torch.float32, lora=spec)
+            if seed is not None:  # the adapter's initialisation (peft draws A at random)
+                torch.manual_seed(seed)
+            self.lm = lora_.apply(self.lm, lora_.LoraSpec(r=rank, alpha=LORA_ALPHA, target_modules=names)).train()
         self.device = device
         self.lm.to(device)
         self.params = [p for p in self.lm.parameters() if p.requires_grad]
