@@ -19,12 +19,9 @@ import asyncio
 import json
 import math
 import os
-import queue
 import random
-import re
 import subprocess
 import sys
-import threading
 import time
 from contextlib import contextmanager
 
@@ -42,27 +39,18 @@ pytestmark = pytest.mark.slow  # ~20-30 s each: a server process and a cookbook 
 
 @contextmanager
 def molt_tinker(state_dir):
-    """``molt tinker --port 0`` as a process; yields its base URL once it printed it."""
-    proc = subprocess.Popen([sys.executable, "-m", "molt_lightning.commands.cli", "tinker", "--port", "0",
-                             "--state-dir", str(state_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "TINKER_API_KEY": KEY, "HF_HUB_OFFLINE": "1"})
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    url, seen, deadline = None, [], time.monotonic() + 120
-    while url is None:
-        try:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            proc.kill()
-            raise AssertionError(f"molt tinker printed no URL: {''.join(seen)}") from None
-        seen.append(line)
-        if m := re.match(r"export TINKER_BASE_URL=(\S+)", line):
-            url = m[1]
+    """``molt tinker --port 0`` as a process (the molt-bench stack's ``Server``); yields its base URL once it printed
+    it."""
+    from molt_lightning.bench.stacks.tinker_cookbook import Server, server_command
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    server = Server(server_command(arithmetic_policy(), KEY, state_dir), state_dir / "server.log",
+                    {**os.environ, "HF_HUB_OFFLINE": "1"})
+    url, _ = server.start(120)
     try:
         yield url
     finally:
-        proc.terminate()
-        proc.wait(60)
+        server.stop()
 
 
 def rows(log_path) -> list[dict]:
